@@ -1,0 +1,70 @@
+"""The `kvlm` command. Each verb lives in its own module, which provides
+``add_arguments(parser)`` and ``main(args) -> int | None``; this file only dispatches."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+
+# verb -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "prepare": ("kvlm.data", "tokenize text (local files, a HF dataset, or built-in synthetic stories) into shards"),
+    "train": ("kvlm.train", "train a model from a preset or YAML config"),
+    "eval": ("kvlm.evaluate", "perplexity, repetition and lm-eval tasks for a checkpoint"),
+    "generate": ("kvlm.generate", "stream text from a checkpoint"),
+    "bench": ("kvlm.bench", "prefill / decode latency, throughput, memory, against peers and the roofline"),
+    "kv-table": ("kvlm.accounting", "KV cache and parameter accounting of presets (the papers' tables)"),
+    "compare": ("kvlm.compare", "train several attention variants and report which is best at what cost"),
+    "export-hf": ("kvlm.hf", "export a checkpoint as a Hugging Face transformers folder"),
+    "import-hf": ("kvlm.convert", "import a Llama checkpoint, optionally converting it to MLA"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvlm", description="Language models with small KV caches.")
+    parser.add_argument("--version", action="version", version=f"kvlm {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for verb, (module, help_) in COMMANDS.items():
+        p = sub.add_parser(verb, help=help_, description=help_)
+        p.set_defaults(_module=module)
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+            p.set_defaults(_missing=True)
+            continue
+        mod.add_arguments(p)
+    return parser
+
+
+def _version() -> str:
+    from kvlm import __version__
+
+    return __version__
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help()
+        return 2
+    if getattr(args, "_missing", False):
+        print(f"kvlm {args.command}: not available in this build", file=sys.stderr)
+        return 2
+    mod = importlib.import_module(args._module)
+    try:
+        rc = mod.main(args)
+    except (ValueError, FileNotFoundError) as e:  # ConfigError, CacheError, DataError are ValueErrors
+        if getattr(args, "json", False):
+            print(json.dumps({"error": str(e)}))
+        print(f"kvlm {args.command}: error: {e}", file=sys.stderr)
+        return 1
+    return int(rc or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

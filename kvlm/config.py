@@ -1,0 +1,206 @@
+"""Model configuration: one dataclass for every attention mechanism, with validation and YAML I/O.
+
+Symbols follow the papers (see ../shared/papers): d = d_model, h = n_head, d_h = head_dim,
+g = n_kv_head, d_c = kv_lora_rank, d'_c = q_lora_rank, d_h^R = rope_head_dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+ARCHS = ("llama", "gpt2")
+
+
+class ConfigError(ValueError):
+    """An invalid model or training configuration; the message names the offending field."""
+
+
+@dataclass
+class ModelConfig:
+    # --- the mechanism -----------------------------------------------------------------
+    attention: str = "mha"  # registry name: mha mqa gqa mla eg-mla mlra-2 mlra-4 gla-2 gla-4 gta mfa tpa
+    # --- shape ---------------------------------------------------------------------------
+    n_layer: int = 4
+    d_model: int = 256
+    n_head: int = 8
+    head_dim: int | None = None  # d_h; default d_model // n_head
+    n_kv_head: int | None = None  # g for gqa / gta; mqa forces 1, mha forces n_head
+    vocab_size: int = 4096
+    max_seq_len: int = 1024
+    # --- block ---------------------------------------------------------------------------
+    arch: str = "llama"  # "llama": RMSNorm + SwiGLU + RoPE; "gpt2": LayerNorm + GELU MLP + learned positions
+    ffn_dim: int | None = None  # d_f; default 8/3 d rounded up to 64 (llama) or 4 d (gpt2)
+    tie_embeddings: bool = True
+    norm_eps: float = 1e-5
+    bias: bool = False
+    dropout: float = 0.0
+    # --- positions -------------------------------------------------------------------------
+    rope: bool = True  # RoPE on q/k (mha/mqa/gqa/mfa/tpa: whole head; latent mechanisms: see rope_head_dim)
+    rope_theta: float = 10000.0
+    rope_head_dim: int | None = None  # d_h^R, decoupled RoPE key for mla/eg-mla/gla/mlra/gta; 0 = no RoPE
+    # --- latent attention (mla, eg-mla, gla, mlra, mfa) ------------------------------------
+    q_lora_rank: int = 0  # d'_c; 0 = plain W_Q (no query compression)
+    kv_lora_rank: int | None = None  # d_c
+    kv_latent: str = "joint"  # "joint": one c_kv for K and V (DeepSeek); "separate": c_k and c_v (small-LM grid)
+    latent_norm: bool = True  # RMSNorm on the latents (DeepSeek-V2)
+    latent_scaling: bool = False  # alpha_q = sqrt(d/d'_c), alpha_kv = sqrt(d/d_c) (mlra.md Sec. 3.3)
+    attn_out_scaling: bool = False  # alpha_attn = 1/sqrt(branches) for mlra (mlra.md Eq. 10)
+    # --- eg-mla ---------------------------------------------------------------------------
+    kv_emb_dim: int = 64  # per-layer gating embedding width
+    eg_norm: bool = True  # LayerNorm after the gate (eg-mla.md Eq. 5); False = Table 3 ablation
+    eg_op: str = "mul"  # "mul" (Hadamard gate) or "add" (Table 3 ablation)
+    eg_group_size: int = 1  # lgz: layers per group sharing KV projections (eg-mla.md Appendix H)
+    # --- tpa ------------------------------------------------------------------------------
+    tpa_q_rank: int = 6  # beta_q
+    tpa_kv_rank: int = 2  # beta_kv
+    # --- options for any mechanism ---------------------------------------------------------
+    gated: bool = False  # sigmoid output gate (mlra.md Appendix E)
+    zero_init_out: bool = False  # zero-initialised attention / FFN output projections (mlra.md Sec. 4.2.1)
+    init_std: float = 0.02
+    # free-form note carried into reports (e.g. what a scaled preset changed)
+    note: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------------------------
+    def __post_init__(self) -> None:
+        self.attention = self.attention.lower()
+        if self.head_dim is None:
+            if self.n_head <= 0 or self.d_model % self.n_head:
+                raise ConfigError(
+                    f"d_model={self.d_model} is not divisible by n_head={self.n_head}; set head_dim explicitly"
+                )
+            self.head_dim = self.d_model // self.n_head
+        if self.ffn_dim is None:
+            self.ffn_dim = 4 * self.d_model if self.arch == "gpt2" else _round_up(8 * self.d_model // 3, 64)
+        if self.n_kv_head is None:
+            self.n_kv_head = {"mqa": 1, "gta": max(1, self.n_head // 4), "gqa": max(1, self.n_head // 4)}.get(
+                self.attention, self.n_head
+            )
+        if self.attention == "mqa":
+            self.n_kv_head = 1
+        if self.attention == "mha":
+            self.n_kv_head = self.n_head
+        if self.rope_head_dim is None:
+            self.rope_head_dim = self.head_dim // 2 if self.rope else 0
+        if not self.rope:
+            self.rope_head_dim = 0
+        if self.kv_lora_rank is None:
+            self.kv_lora_rank = 4 * self.head_dim
+        self.validate()
+
+    def validate(self) -> None:
+        from kvlm.attention import registry  # late import: the registry imports this module
+
+        if self.attention not in registry():
+            raise ConfigError(
+                f"unknown attention {self.attention!r}; known: {', '.join(sorted(registry()))}"
+            )
+        if self.arch not in ARCHS:
+            raise ConfigError(f"unknown arch {self.arch!r}; known: {', '.join(ARCHS)}")
+        for name in ("n_layer", "d_model", "n_head", "head_dim", "vocab_size", "max_seq_len", "ffn_dim"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.n_kv_head <= 0 or self.n_head % self.n_kv_head:
+            raise ConfigError(f"n_head={self.n_head} is not divisible by n_kv_head={self.n_kv_head}")
+        if self.rope and self.head_dim % 2:
+            raise ConfigError(f"RoPE needs an even head_dim, got {self.head_dim}")
+        if self.rope_head_dim < 0 or self.rope_head_dim % 2:
+            raise ConfigError(f"rope_head_dim must be even and >= 0, got {self.rope_head_dim}")
+        if self.kv_latent not in ("joint", "separate"):
+            raise ConfigError(f"kv_latent must be 'joint' or 'separate', got {self.kv_latent!r}")
+        if self.eg_op not in ("mul", "add"):
+            raise ConfigError(f"eg_op must be 'mul' or 'add', got {self.eg_op!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
+        if self.q_lora_rank < 0:
+            raise ConfigError(f"q_lora_rank must be >= 0, got {self.q_lora_rank}")
+        # mechanism-specific checks live with the mechanism
+        registry()[self.attention].check_config(self)
+
+    # ------------------------------------------------------------------------------------
+    def replace(self, **changes: Any) -> ModelConfig:
+        """A copy with some fields changed; derived defaults (head_dim, ffn_dim, ...) are kept
+        unless the field they derive from changed, in which case pass them as None to re-derive."""
+        data = self.to_dict()
+        unknown = set(changes) - set(data)
+        if unknown:
+            raise ConfigError(f"unknown ModelConfig field(s): {', '.join(sorted(unknown))}")
+        data.update(changes)
+        return ModelConfig(**data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ConfigError(f"unknown ModelConfig field(s): {', '.join(sorted(unknown))}")
+        return cls(**data)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2))
+
+    @classmethod
+    def load(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        text = path.read_text()
+        data = load_yaml_or_json(text, path)
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> ModelConfig:
+        from kvlm.presets import get_preset
+
+        cfg = get_preset(name)
+        return cfg.replace(**overrides) if overrides else cfg
+
+    # --- accounting (derived from the mechanism's cache_spec, never a second table) -----
+    def cache_spec(self, layer_idx: int = 0) -> dict[str, tuple[int, ...]]:
+        from kvlm.attention import registry
+
+        return registry()[self.attention].spec_for(self, layer_idx)
+
+    def kv_cache_elements_per_layer(self) -> list[int]:
+        return [_numel(self.cache_spec(i)) for i in range(self.n_layer)]
+
+    def kv_cache_elements_per_token(self) -> int:
+        return sum(self.kv_cache_elements_per_layer())
+
+    def kv_cache_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        return self.kv_cache_elements_per_token() * dtype_bytes
+
+
+def _numel(spec: dict[str, tuple[int, ...]]) -> int:
+    total = 0
+    for shape in spec.values():
+        n = 1
+        for s in shape:
+            n *= s
+        total += n
+    return total
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def load_yaml_or_json(text: str, where: str | Path = "<config>") -> dict[str, Any]:
+    import yaml
+
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where}: not valid YAML/JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping of config fields, got {type(data).__name__}")
+    return data
+
+
+def config_fields() -> list[str]:
+    return [f.name for f in dataclasses.fields(ModelConfig)]

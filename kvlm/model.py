@@ -1,0 +1,234 @@
+"""The decoder: token embedding, n_layer blocks around any registered attention, LM head.
+
+Two block styles: "llama" (pre-RMSNorm, SwiGLU FFN, RoPE inside attention; mlra.md Appendix D) and
+"gpt2" (pre-LayerNorm, GELU FFN, learned absolute positions; the nanoGPT base of eg-mla.md and
+mla-small-lm.md). Parameter and KV accounting live here too, computed from modules that exist
+(on the meta device when only counting), never from a table typed by hand.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvlm.attention import Step, get_attention_class
+from kvlm.cache import KVCache
+from kvlm.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
+    if cfg.arch == "gpt2":
+        return nn.LayerNorm(dim, eps=cfg.norm_eps, bias=cfg.bias)
+    return RMSNorm(dim, cfg.norm_eps)
+
+
+class SwiGLU(nn.Module):
+    """O = (SiLU(H W1) * (H W2)) W_O (mlra.md Appendix D)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=cfg.bias)
+        self.w2 = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=cfg.bias)
+        self.wo = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=cfg.bias)
+        self.wo.is_output_projection = True
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.wo(F.silu(self.w1(x)) * self.w2(x)))
+
+
+class GeluMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=cfg.bias)
+        self.wo = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=cfg.bias)
+        self.wo.is_output_projection = True
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.wo(F.gelu(self.w1(x), approximate="tanh")))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.attn_norm = make_norm(cfg, cfg.d_model)
+        self.attn = get_attention_class(cfg.attention)(cfg, layer_idx)
+        self.mlp_norm = make_norm(cfg, cfg.d_model)
+        self.mlp = GeluMLP(cfg) if cfg.arch == "gpt2" else SwiGLU(cfg)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x, step: Step, cache=None):
+        x = x + self.dropout(self.attn(self.attn_norm(x), step, cache))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class KVLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.arch == "gpt2" else None
+        self.drop = nn.Dropout(cfg.dropout)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
+        attn_cls = get_attention_class(cfg.attention)
+        tie = getattr(attn_cls, "tie_layers", None)
+        if tie is not None:  # e.g. eg-mla's layer-group sharing of KV projections
+            tie([b.attn for b in self.layers])
+        self.norm = make_norm(cfg, cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.reset_parameters()
+
+    # --- initialisation ----------------------------------------------------------------------
+    def reset_parameters(self) -> None:
+        """GPT-style: N(0, init_std) for matrices and embeddings, output projections scaled by
+        1/sqrt(2 n_layer) (GPT-2) or zero (cfg.zero_init_out, mlra.md Sec. 4.2.1)."""
+        std = self.cfg.init_std
+        out_std = std / math.sqrt(2 * self.cfg.n_layer)
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                if getattr(module, "is_output_projection", False):
+                    if self.cfg.zero_init_out:
+                        nn.init.zeros_(module.weight)
+                    else:
+                        nn.init.normal_(module.weight, 0.0, out_std)
+                else:
+                    nn.init.normal_(module.weight, 0.0, std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, 0.0, std)
+            elif hasattr(module, "reset_extra_parameters"):
+                module.reset_extra_parameters()
+
+    # --- forward ------------------------------------------------------------------------------
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        cache: KVCache | None = None,
+        mode: str = "auto",
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, vocab) (or (B, 1, vocab) with last_only).
+
+        Without a cache: the full causal forward. With a cache: the new tokens are appended (prefill or
+        decode) and attend to everything cached."""
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must be (batch, seq), got shape {tuple(tokens.shape)}")
+        B, T = tokens.shape
+        if T == 0:
+            raise ValueError("tokens is empty")
+        if cache is None:
+            if T > self.cfg.max_seq_len:
+                raise ValueError(f"sequence of {T} tokens exceeds max_seq_len={self.cfg.max_seq_len}")
+            step = Step.build(tokens, 0, None, mode)
+        else:
+            cache.check_append(B, T, self.embed.weight.dtype, tokens.device)
+            step = Step.build(tokens, cache.length, cache.pad, mode)
+            if cache.token_ids is not None:
+                cache.token_ids[:, step.start : step.end] = tokens
+                step.cached_token_ids = cache.token_ids[:, : step.end]
+        x = self.embed(tokens)
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(step.positions)
+        x = self.drop(x)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, step, cache.layers[i] if cache is not None else None)
+        if cache is not None:
+            cache.length = step.end
+        if last_only:
+            x = x[:, -1:]
+        return self.lm_head(self.norm(x))
+
+    # --- cache --------------------------------------------------------------------------------
+    def cache_specs(self, naive: bool = False) -> list[dict[str, tuple[int, ...]]]:
+        return [b.attn.cache_spec(naive=naive) for b in self.layers]
+
+    def new_cache(
+        self,
+        batch_size: int,
+        max_seq_len: int | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        naive: bool = False,
+    ) -> KVCache:
+        """Preallocate the compact cache (or, with naive=True, the materialised per-head K/V cache
+        the benchmarks compare against). Forward with mode="naive" needs the naive cache."""
+        p = self.embed.weight
+        max_seq_len = max_seq_len or self.cfg.max_seq_len
+        if max_seq_len > self.cfg.max_seq_len:
+            raise ValueError(f"max_seq_len={max_seq_len} exceeds the model's max_seq_len={self.cfg.max_seq_len}")
+        needs_ids = any(getattr(b.attn, "needs_token_ids", False) for b in self.layers)
+        return KVCache(
+            self.cache_specs(naive=naive),
+            batch_size,
+            max_seq_len,
+            dtype=dtype or p.dtype,
+            device=device or p.device,
+            store_token_ids=needs_ids,
+            mode="naive" if naive else "compact",
+        )
+
+    # --- accounting -----------------------------------------------------------------------------
+    def parameter_counts(self) -> dict[str, int]:
+        return parameter_counts_of(self)
+
+
+def parameter_counts_of(model: KVLM) -> dict[str, int]:
+    """total: unique parameters. embedding: token (+ position) embedding. gate_embedding: eg-mla's
+    per-layer token tables, which live off the matmul path (eg-mla.md reports them apart).
+    activated: total - gate_embedding (what runs per token, as eg-mla.md Table 9's "Size")."""
+    seen: set[int] = set()
+    counts = {"total": 0, "embedding": 0, "gate_embedding": 0, "attention": 0, "ffn": 0}
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        n = p.numel()
+        counts["total"] += n
+        if name.startswith(("embed.", "pos_embed.")) or name == "lm_head.weight":
+            counts["embedding"] += n
+        elif getattr(p, "is_gate_embedding", False):
+            counts["gate_embedding"] += n
+            counts["attention"] += n
+        elif ".attn." in name:
+            counts["attention"] += n
+        elif ".mlp." in name:
+            counts["ffn"] += n
+    counts["activated"] = counts["total"] - counts["gate_embedding"]
+    counts["non_embedding"] = counts["total"] - counts["embedding"] - counts["gate_embedding"]
+    return counts
+
+
+def build_model(cfg: ModelConfig, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> KVLM:
+    model = KVLM(cfg) if device is None else _build_on(cfg, device)
+    if dtype is not None:
+        model = model.to(dtype)
+    return model
+
+
+def _build_on(cfg: ModelConfig, device) -> KVLM:
+    with torch.device(device):
+        return KVLM(cfg)
+
+
+def count_parameters(cfg: ModelConfig) -> dict[str, int]:
+    """Parameter counts without allocating weights (meta device): works for the 2.9B presets."""
+    with torch.device("meta"):
+        model = KVLM(cfg)
+    return model.parameter_counts()

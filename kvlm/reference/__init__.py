@@ -1,0 +1,33 @@
+"""Plain reference implementations, straight from the papers' equations (einsum, explicit softmax).
+
+Kept apart from the fast paths in kvlm.attention and used only by the tests to check them. Each function
+takes a fast-path module (for its weights), the input x (B, T, d) and positions (B, T), and returns the
+attention sublayer's output (B, T, d) for the full causal sequence. Float64 friendly.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_MODULES = ("mha", "mla", "eg_mla", "mlra", "gta", "mfa", "tpa")
+_REFERENCES = {}
+
+
+def register(*names):
+    def deco(fn):
+        for n in names:
+            _REFERENCES[n] = fn
+        return fn
+
+    return deco
+
+
+def reference_attention(module, x, positions):
+    if not _REFERENCES:
+        for mod in _MODULES:
+            try:
+                importlib.import_module(f"kvlm.reference.{mod}")
+            except ModuleNotFoundError as e:
+                if e.name != f"kvlm.reference.{mod}":
+                    raise
+    return _REFERENCES[module.cfg.attention](module, x, positions)

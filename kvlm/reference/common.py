@@ -1,0 +1,45 @@
+"""Shared pieces of the reference implementations: RoPE from its definition, causal softmax attention,
+the output gate and W_O."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """x (B, T, ..., dim), rotating pairs (i, i + dim/2) by pos * theta^(-2i/dim); computed in float64."""
+    dim = x.shape[-1]
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    ang = positions.to(torch.float64)[..., None] * inv_freq  # (B, T, dim/2)
+    while ang.dim() < x.dim():
+        ang = ang.unsqueeze(-2)
+    cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+    x1, x2 = x[..., : dim // 2], x[..., dim // 2 :]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q (B, T, H, D), k (B, T, H, D), v (B, T, H, Dv) -> (B, T, H, Dv); o_t = sum_j<=t softmax_j(q k / s) v."""
+    T = q.shape[1]
+    scores = torch.einsum("bthd,bshd->bhts", q, k) * scale
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~causal, float("-inf"))
+    return torch.einsum("bhts,bshd->bthd", scores.softmax(-1), v)
+
+
+def output(module, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """o (B, T, H, Dv) -> W_O [o_1; ...; o_H], gated by sigmoid(x W_G) when the module has a gate."""
+    B, T = o.shape[:2]
+    o = o.reshape(B, T, -1)
+    if module.gate is not None:
+        o = o * torch.sigmoid(x @ module.gate.weight.T + (module.gate.bias if module.gate.bias is not None else 0))
+    return o @ module.wo.weight.T + (module.wo.bias if module.wo.bias is not None else 0)
+
+
+def linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    y = x @ module.weight.T
+    return y + module.bias if module.bias is not None else y
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
