@@ -85,6 +85,8 @@ class KVCache:
         pad = torch.as_tensor(pad, dtype=torch.long, device=self.device)
         if pad.shape != (self.batch_size,):
             raise CacheError(f"pad must have shape ({self.batch_size},), got {tuple(pad.shape)}")
+        if bool((pad < 0).any()) or bool((pad >= self.max_seq_len).any()):
+            raise CacheError(f"pad values must be in [0, max_seq_len={self.max_seq_len}), got {pad.tolist()}")
         self.pad.copy_(pad)
 
     def check_append(self, batch_size: int, n_new: int, dtype: torch.dtype, device: torch.device) -> None:

@@ -79,7 +79,12 @@ def generate(
             f"the model's max_seq_len={capacity} by {P + max_new_tokens - capacity}"
         )
     out: list[list[int]] = [[] for _ in range(B)]
-    stats = {"prefill_s": 0.0, "prefill_tokens": sum(len(p) for p in prompts), "decode_s": 0.0, "decode_tokens": 0}
+    stats = {
+        "prefill_s": 0.0,
+        "prefill_tokens": sum(len(p) for p in prompts),
+        "decode_s": 0.0,
+        "decode_tokens": 0,
+    }
     reasons = ["length"] * B
     if max_new_tokens == 0:
         return _result(single, out, stats, reasons, return_stats)
@@ -211,7 +216,9 @@ def _now(device: torch.device) -> float:
 
 def _result(single, out, stats, reasons, return_stats):
     stats["new_tokens"] = sum(len(o) for o in out)
-    stats["decode_tokens_per_s"] = stats["decode_tokens"] / stats["decode_s"] if stats["decode_s"] > 0 else None
+    stats["decode_tokens_per_s"] = (
+        stats["decode_tokens"] / stats["decode_s"] if stats["decode_s"] > 0 else None
+    )
     stats["finish_reasons"] = reasons[0] if single else reasons
     ids = out[0] if single else out
     return (ids, stats) if return_stats else ids
@@ -272,7 +279,9 @@ def main(args) -> int:
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else None)
     model, tokenizer, _meta = load_checkpoint(args.checkpoint, device=device, dtype=dtype)
     if tokenizer is None:
-        raise CheckpointError(f"checkpoint {args.checkpoint} has no tokenizer.json: cannot encode a text prompt")
+        raise CheckpointError(
+            f"checkpoint {args.checkpoint} has no tokenizer.json: cannot encode a text prompt"
+        )
     eos = getattr(tokenizer, "eos_id", None)
     prompts = []
     for text in args.prompt:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvlm.attention import Step, get_attention_class
-from kvlm.cache import KVCache
+from kvlm.cache import CacheError, KVCache
 from kvlm.config import ModelConfig
 
 
@@ -139,6 +139,8 @@ class KVLM(nn.Module):
             step = Step.build(tokens, 0, None, mode)
         else:
             cache.check_append(B, T, self.embed.weight.dtype, tokens.device)
+            if cache.length == 0:  # first use: a cache built for another model fails obscurely deep inside
+                self._check_cache_fits(cache)
             step = Step.build(tokens, cache.length, cache.pad, mode)
             if cache.token_ids is not None:
                 cache.token_ids[:, step.start : step.end] = tokens
@@ -158,6 +160,15 @@ class KVLM(nn.Module):
     # --- cache --------------------------------------------------------------------------------
     def cache_specs(self, naive: bool = False) -> list[dict[str, tuple[int, ...]]]:
         return [b.attn.cache_spec(naive=naive) for b in self.layers]
+
+    def _check_cache_fits(self, cache: KVCache) -> None:
+        want = self.cache_specs(naive=cache.mode == "naive")
+        have = [{k: tuple(v) for k, v in s.items()} for s in cache.specs]
+        if have != [{k: tuple(v) for k, v in s.items()} for s in want]:
+            raise CacheError(
+                f"this cache was not built for this model: it holds {len(have)} layers {have[:1]}, the model "
+                f"needs {len(want)} layers {want[:1]} (mode {cache.mode!r}); use model.new_cache(...)"
+            )
 
     def new_cache(
         self,

@@ -8,7 +8,9 @@ import torch
 TESTS = pathlib.Path(__file__).parent
 sys.path.insert(0, str(TESTS))
 
-torch.set_num_threads(2)
+# One thread per test process: the suite runs under xdist (-n 2) on 2 cores, and oversubscribed OpenMP
+# threads stall each other at barriers (a matmul of 8 rows went from 0.7 ms to 24 ms in a measurement).
+torch.set_num_threads(1)
 
 
 def tiny_config(attention="mha", **overrides):

@@ -22,7 +22,8 @@ def register(*names):
     return deco
 
 
-def reference_attention(module, x, positions):
+def reference_attention(module, x, positions, token_ids=None):
+    """token_ids (B, T): for mechanisms that read the tokens themselves (``needs_token_ids``, eg-mla)."""
     if not _REFERENCES:
         for mod in _MODULES:
             try:
@@ -30,4 +31,9 @@ def reference_attention(module, x, positions):
             except ModuleNotFoundError as e:
                 if e.name != f"kvlm.reference.{mod}":
                     raise
-    return _REFERENCES[module.cfg.attention](module, x, positions)
+    fn = _REFERENCES[module.cfg.attention]
+    if getattr(module, "needs_token_ids", False):
+        if token_ids is None:
+            raise ValueError(f"the {module.cfg.attention} reference needs token_ids")
+        return fn(module, x, positions, token_ids)
+    return fn(module, x, positions)

@@ -1,0 +1,74 @@
+"""MFA, multi-matrix factorization attention (Hu et al.; mlra.md App. C.4).
+
+Low-rank query C^Q = RMSNorm(H W^CQ) (d'_c = q_lora_rank), up-projected to h heads of cfg.head_dim (the paper's
+2 d_h: a preset sets head_dim = 256), RoPE on the whole head; one shared key head and one value head, as MQA.
+Caches K^C (1, head_dim) and V^C (1, head_dim). With q_lora_rank = 0 the query is a plain W_Q (then MFA is MQA).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from kvlm.attention import register
+from kvlm.attention.base import Attention, Step, attend
+from kvlm.attention.rope import RotaryEmbedding, apply_rope
+from kvlm.config import ModelConfig
+
+
+@register("mfa")
+class MultiMatrixFactorizationAttention(Attention):
+    name = "mfa"
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__(cfg, layer_idx)
+        h, dh = cfg.n_head, cfg.head_dim
+        self.n_head, self.head_dim = h, dh
+        self.q_norm = None
+        if cfg.q_lora_rank:
+            self.wq_a = nn.Linear(cfg.d_model, cfg.q_lora_rank, bias=cfg.bias)  # W^CQ
+            if cfg.latent_norm:
+                self.q_norm = nn.RMSNorm(cfg.q_lora_rank, eps=cfg.norm_eps)
+            self.wq_b = nn.Linear(cfg.q_lora_rank, h * dh, bias=cfg.bias)  # W^UQ
+            self.alpha_q = math.sqrt(cfg.d_model / cfg.q_lora_rank) if cfg.latent_scaling else 1.0
+        else:
+            self.wq = nn.Linear(cfg.d_model, h * dh, bias=cfg.bias)
+        self.wk = nn.Linear(cfg.d_model, dh, bias=cfg.bias)  # W^K: one key head
+        self.wv = nn.Linear(cfg.d_model, dh, bias=cfg.bias)  # W^V: one value head
+        self.rope = RotaryEmbedding(dh, cfg.max_seq_len, cfg.rope_theta) if cfg.rope else None
+        self.make_output(h * dh)
+
+    @classmethod
+    def spec_for(cls, cfg, layer_idx=0, naive=False):
+        return {"k": (1, cfg.head_dim), "v": (1, cfg.head_dim)}
+
+    @classmethod
+    def tp_shards(cls, cfg):
+        return {"k": "replicated", "v": "replicated"}  # one KV head: every device loads it all
+
+    @classmethod
+    def tp_max_degree(cls, cfg):
+        return 1
+
+    def forward(self, x: torch.Tensor, step: Step, cache=None) -> torch.Tensor:
+        B, T, _ = x.shape
+        if self.cfg.q_lora_rank:
+            c_q = self.wq_a(x)
+            if self.q_norm is not None:
+                c_q = self.q_norm(c_q)
+            q = self.wq_b(c_q * self.alpha_q if self.alpha_q != 1.0 else c_q)
+        else:
+            q = self.wq(x)
+        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, T, 1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, 1, self.head_dim).transpose(1, 2)
+        if self.rope is not None:
+            cos, sin = self.rope.cos_sin(step.positions, x.dtype)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k = self.write(cache, "k", k, step)
+            v = self.write(cache, "v", v, step)
+        o = attend(q, k, v, step, 1.0 / math.sqrt(self.head_dim))
+        return self.output(o, x)

@@ -1,0 +1,808 @@
+"""`kvlm bench`: prefill and decode latency, decode tokens/s, peak memory and KV-cache bytes, measured
+side by side with the Hugging Face transformers implementation of the same model (``kvlm.peers``) and
+against the machine's memory-bandwidth roofline.
+
+Decoding one token reads every weight once and every cached K/V (or latent) of every layer, so its time
+is bounded below by ``(weight bytes + KV bytes) / memory bandwidth``: the *floor*. Each decode row
+reports that floor and the ratio measured / floor. The bandwidth (a large tensor copy and a large
+reduction, best of a few) and fp32 matmul throughput are measured once per run.
+
+Weights are random: speed does not depend on training. Decode runs start from a cache holding
+``context`` random cached tokens (exactly what a prefill would leave, minus the long prefill), so long
+contexts cost seconds, not minutes; prefill is timed separately at ``--prompt`` lengths.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kvlm.config import ConfigError, ModelConfig, load_yaml_or_json
+from kvlm.model import KVLM, build_model
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MODES = ("auto", "naive", "absorbed", "expand")
+
+# the lead's reference model: fp32, 6 layers, d = 768, 12 heads (GPT-2 small width, half its depth)
+REFERENCE_SHAPE = dict(n_layer=6, d_model=768, n_head=12, vocab_size=32000)
+
+# named benchmarks; explicit command-line options override a suite's values
+SUITES: dict[str, dict[str, Any]] = {
+    "toy": dict(
+        shape=dict(n_layer=2, d_model=64, n_head=4, vocab_size=256),
+        variants="mha,gqa,mla",
+        modes="naive,absorbed",
+        batch="1,2",
+        context="16,32",
+        prompt="8",
+        steps=3,
+        warmup=1,
+        repeats=2,
+        bandwidth_mib=16,
+    ),
+    "reference": dict(
+        shape=REFERENCE_SHAPE,
+        variants="mha,gqa,mla,eg-mla",
+        modes="naive,absorbed",
+        batch="8",
+        context="4096",
+        prompt="128",
+        steps=6,
+        warmup=2,
+        repeats=3,
+    ),
+    "sweep": dict(
+        shape=REFERENCE_SHAPE,
+        variants="mha,gqa,mla,eg-mla",
+        modes="naive,absorbed",
+        batch="1",
+        context="512,1024,2048,4096,8192",
+        prompt="128,512",
+        steps=5,
+        warmup=1,
+        repeats=3,
+    ),
+}
+DEFAULTS = dict(
+    shape=dict(n_layer=4, d_model=256, n_head=8, vocab_size=4096),
+    variants="mha,mla",
+    modes="auto",
+    batch="1",
+    context="512,1024",
+    prompt="128",
+    steps=8,
+    warmup=2,
+    repeats=3,
+    bandwidth_mib=512,
+)
+SHAPE_FIELDS = ("n_layer", "d_model", "n_head", "head_dim", "n_kv_head", "vocab_size", "ffn_dim", "kv_lora_rank", "q_lora_rank", "rope_head_dim")
+
+
+class BenchError(ValueError):
+    """Bad benchmark options (unknown variant, suite or mode, empty lists, ...)."""
+
+
+# --- small helpers ---------------------------------------------------------------------------------
+def _ints(text: str | list[int], what: str) -> list[int]:
+    if isinstance(text, list):
+        return text
+    try:
+        vals = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError as e:
+        raise BenchError(f"--{what} must be a comma-separated list of integers, got {text!r}") from e
+    if not vals or any(v <= 0 for v in vals):
+        raise BenchError(f"--{what} needs positive integers, got {text!r}")
+    return vals
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def summarize(seconds: list[float]) -> dict[str, float]:
+    """Median and spread (ms) of repeated timings."""
+    ms = sorted(1e3 * s for s in seconds)
+    q = statistics.quantiles(ms, n=4, method="inclusive") if len(ms) > 1 else [ms[0]] * 3
+    return {
+        "median_ms": statistics.median(ms),
+        "min_ms": ms[0],
+        "max_ms": ms[-1],
+        "iqr_ms": q[2] - q[0],
+        "n": len(ms),
+    }
+
+
+class PeakMemory:
+    """Peak memory while the block runs: max allocated on CUDA; on CPU the process RSS, sampled from
+    /proc/self/statm by a thread every ``interval`` s (torch kernels release the GIL, so it keeps sampling
+    during long ops). ``peak`` is absolute, ``extra`` is the peak minus the usage when the block began."""
+
+    def __init__(self, device: torch.device, interval: float = 0.002):
+        self.device = device
+        self.interval = interval
+        self.peak = 0
+        self.start = 0
+        self._stop = threading.Event()
+
+    @staticmethod
+    def rss() -> int:
+        try:
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except OSError:  # not Linux: the high-water mark of the process, the best portable number
+            import resource
+
+            scale = 1 if sys.platform == "darwin" else 1024
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, self.rss())
+
+    def __enter__(self) -> PeakMemory:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.start = torch.cuda.memory_allocated(self.device)
+        else:
+            gc.collect()
+            self.start = self.peak = self.rss()
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device)
+        else:
+            self._stop.set()
+            self._thread.join()
+            self.peak = max(self.peak, self.rss())
+
+    @property
+    def extra(self) -> int:
+        return max(0, self.peak - self.start)
+
+
+# --- the machine ------------------------------------------------------------------------------------
+def machine_info(device: torch.device) -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    from kvlm.peers import transformers_version
+
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers_version(),
+        "python": platform.python_version(),
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+
+
+def measure_hardware(device: torch.device, mib: int = 512, repeats: int = 5) -> dict[str, float]:
+    """Memory bandwidth (GB/s) and fp32 matmul throughput (GFLOP/s), best of ``repeats``.
+
+    copy: dst.copy_(src) of ``mib`` MiB moves 2x that (read + write). read: src.sum() reads it once.
+    ``bandwidth_gbs`` is the larger: the floor uses the best this machine has shown."""
+    n = mib * 2**20 // 4
+    src = torch.rand(n, device=device)
+    dst = torch.empty_like(src)
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            _sync(device)
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    copy_gbs = 2 * n * 4 / best(lambda: dst.copy_(src)) / 1e9
+    read_gbs = n * 4 / best(lambda: src.sum()) / 1e9
+    del src, dst
+    m = 2048 if device.type == "cpu" else 8192
+    a = torch.randn(m, m, device=device)
+    b = torch.randn(m, m, device=device)
+    a @ b  # warm-up
+    gflops = 2 * m**3 / best(lambda: a @ b) / 1e9
+    return {
+        "copy_gbs": copy_gbs,
+        "read_gbs": read_gbs,
+        "bandwidth_gbs": max(copy_gbs, read_gbs),
+        "matmul_fp32_gflops": gflops,
+        "bandwidth_buffer_mib": mib,
+    }
+
+
+# --- variants -------------------------------------------------------------------------------------------
+@dataclass
+class Variant:
+    label: str
+    cfg: ModelConfig
+    modes: list[str] = field(default_factory=lambda: ["auto"])
+
+
+def parse_variant(spec: str, shape: dict[str, Any], explicit: dict[str, Any] | None = None) -> tuple[str, ModelConfig]:
+    """``name`` or ``name:key=value:key=value``; name is an attention (built at ``shape``) or a preset
+    (its own shape; the ``explicit`` shape fields given on the command line still override)."""
+    from kvlm.attention import registry
+
+    name, *pairs = spec.strip().split(":")
+    overrides: dict[str, Any] = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise BenchError(f"variant {spec!r}: expected key=value after ':', got {pair!r}")
+        key, value = pair.split("=", 1)
+        overrides[key.strip()] = load_yaml_or_json(f"v: {value}")["v"]
+    if name in registry():
+        cfg = ModelConfig(attention=name, **{**shape, **overrides})
+    else:
+        try:
+            cfg = ModelConfig.from_preset(name)
+        except (ImportError, ModuleNotFoundError, KeyError, ConfigError) as e:
+            known = ", ".join(sorted(registry()))
+            raise BenchError(f"unknown variant {name!r}: not an attention ({known}) nor a preset ({e})") from e
+        changes = {**(explicit or {}), **overrides}
+        cfg = cfg.replace(**changes) if changes else cfg
+    return spec.strip(), cfg
+
+
+def decode_modes(cfg: ModelConfig, requested: list[str]) -> list[str]:
+    """The requested modes this mechanism distinguishes: without a naive cache every mode is 'auto'."""
+    from kvlm.attention import get_attention_class
+
+    cls = get_attention_class(cfg.attention)
+    out = []
+    for mode in requested:
+        mode = mode if getattr(cls, "has_naive_cache", False) else "auto"
+        if mode not in out:
+            out.append(mode)
+    return out
+
+
+# --- accounting -------------------------------------------------------------------------------------------
+def streamed_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of weights a decode step reads in full: every unique parameter, except tables that are only
+    gathered a few rows at a time (an untied input embedding, learned positions, eg-mla gate tables)."""
+    seen: set[int] = set()
+    tied = getattr(model, "cfg", None) is not None and model.cfg.tie_embeddings
+    total = 0
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        gathered = getattr(p, "is_gate_embedding", False) or name.startswith("pos_embed.")
+        if name == "embed.weight" and not tied:
+            gathered = True
+        if not gathered:
+            total += p.numel() * p.element_size()
+    return total
+
+
+def roofline(weight_bytes: int, kv_bytes: int, bandwidth_gbs: float, median_ms: float) -> dict[str, float]:
+    bytes_per_step = weight_bytes + kv_bytes
+    floor_ms = bytes_per_step / (bandwidth_gbs * 1e9) * 1e3
+    return {
+        "bytes_per_step": bytes_per_step,
+        "floor_ms": floor_ms,
+        "roofline_ratio": median_ms / floor_ms,
+        "achieved_gbs": bytes_per_step / (median_ms * 1e-3) / 1e9,
+    }
+
+
+# --- kvlm measurements ------------------------------------------------------------------------------
+def fill_cache(cache, length: int, vocab_size: int) -> None:
+    """Make the cache hold ``length`` random tokens, as a prefill would have left it."""
+    for layer in cache.layers:
+        for buf in layer.values():
+            buf[..., :length, :].normal_()
+    if cache.token_ids is not None:
+        cache.token_ids[:, :length].random_(0, vocab_size)
+    cache.length = length
+
+
+@torch.inference_mode()
+def bench_prefill(model: KVLM, batch: int, prompt: int, mode: str, warmup: int, repeats: int) -> dict:
+    """Latency of one prefill of ``batch`` x ``prompt`` tokens into a preallocated cache."""
+    device = model.embed.weight.device
+    tokens = torch.randint(0, model.cfg.vocab_size, (batch, prompt), device=device)
+    times = []
+    with PeakMemory(device) as mem:
+        for i in range(warmup + repeats):
+            cache = model.new_cache(batch, prompt, naive=(mode == "naive"))
+            _sync(device)
+            t0 = time.perf_counter()
+            model(tokens, cache=cache, mode=mode, last_only=True).argmax(-1)
+            _sync(device)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+            kv_bytes = cache.nbytes_used
+            del cache
+    row = summarize(times)
+    row["tokens_per_s"] = batch * prompt / (row["median_ms"] * 1e-3)
+    row.update(kv_cache_bytes=kv_bytes, peak_mem_bytes=mem.peak, peak_extra_bytes=mem.extra)
+    return row
+
+
+@torch.inference_mode()
+def bench_decode(model: KVLM, batch: int, context: int, mode: str, warmup: int, steps: int) -> dict:
+    """Per-token decode latency with ``context`` tokens cached (greedy next token, as generate does)."""
+    device = model.embed.weight.device
+    with PeakMemory(device) as mem:
+        cache = model.new_cache(batch, context + warmup + steps, naive=(mode == "naive"))
+        fill_cache(cache, context, model.cfg.vocab_size)
+        kv_bytes = cache.nbytes_used
+        tok = torch.randint(0, model.cfg.vocab_size, (batch, 1), device=device)
+        times = []
+        for i in range(warmup + steps):
+            _sync(device)
+            t0 = time.perf_counter()
+            tok = model(tok, cache=cache, mode=mode, last_only=True).argmax(-1)
+            _sync(device)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        allocated = cache.nbytes
+        del cache
+    row = summarize(times)
+    row["tokens_per_s"] = batch / (row["median_ms"] * 1e-3)
+    row.update(kv_cache_bytes=kv_bytes, kv_allocated_bytes=allocated, peak_mem_bytes=mem.peak, peak_extra_bytes=mem.extra)
+    return row
+
+
+# --- peer measurements ------------------------------------------------------------------------------------
+@torch.inference_mode()
+def bench_peer_prefill(peer, batch: int, prompt: int, vocab_size: int, device, warmup: int, repeats: int) -> dict:
+    tokens = torch.randint(0, vocab_size, (batch, prompt), device=device)
+    times = []
+    with PeakMemory(device) as mem:
+        for i in range(warmup + repeats):
+            cache = peer.new_cache()
+            _sync(device)
+            t0 = time.perf_counter()
+            peer.forward(tokens, cache, last_only=True).argmax(-1)
+            _sync(device)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+            kv_bytes = peer.cache_nbytes(cache)
+            del cache
+    row = summarize(times)
+    row["tokens_per_s"] = batch * prompt / (row["median_ms"] * 1e-3)
+    row.update(kv_cache_bytes=kv_bytes, peak_mem_bytes=mem.peak, peak_extra_bytes=mem.extra)
+    return row
+
+
+@torch.inference_mode()
+def bench_peer_decode(peer, batch: int, context: int, vocab_size: int, device, warmup: int, steps: int) -> dict:
+    with PeakMemory(device) as mem:
+        cache = peer.synthetic_cache(batch, context)
+        kv_bytes = peer.cache_nbytes(cache)
+        tok = torch.randint(0, vocab_size, (batch, 1), device=device)
+        times = []
+        for i in range(warmup + steps):
+            _sync(device)
+            t0 = time.perf_counter()
+            tok = peer.forward(tok, cache, last_only=True)[:, -1].argmax(-1, keepdim=True)
+            _sync(device)
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        del cache
+    row = summarize(times)
+    row["tokens_per_s"] = batch / (row["median_ms"] * 1e-3)
+    row.update(kv_cache_bytes=kv_bytes, peak_mem_bytes=mem.peak, peak_extra_bytes=mem.extra)
+    return row
+
+
+def agreement_tolerance(dtype: torch.dtype) -> float:
+    """Largest |logit difference| / max(1, |logit|) accepted as 'the same function'. transformers rounds
+    RoPE angles and RMSNorm through float32, so even float64 agrees only to ~1e-7."""
+    return 1e-3 if dtype in (torch.float32, torch.float64) else 5e-2
+
+
+# --- the run ----------------------------------------------------------------------------------------------
+@dataclass
+class Plan:
+    variants: list[Variant]
+    batch: list[int]
+    context: list[int]
+    prompt: list[int]
+    steps: int
+    warmup: int
+    repeats: int
+    dtype: torch.dtype
+    device: torch.device
+    peers: bool
+    bandwidth_mib: int
+    seed: int = 0
+    suite: str | None = None
+
+
+def run(plan: Plan, log=print) -> dict[str, Any]:
+    """Every measurement of the plan; returns the result dict that ``--json`` prints."""
+    torch.manual_seed(plan.seed)
+    device, dtype = plan.device, plan.dtype
+    result: dict[str, Any] = {
+        "kvlm_bench": 1,
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "suite": plan.suite,
+        "machine": machine_info(device),
+        "settings": {
+            "batch": plan.batch,
+            "context": plan.context,
+            "prompt": plan.prompt,
+            "steps": plan.steps,
+            "warmup": plan.warmup,
+            "repeats": plan.repeats,
+            "dtype": str(dtype).removeprefix("torch."),
+            "device": str(device),
+            "peers": plan.peers,
+            "seed": plan.seed,
+        },
+    }
+    log(f"measuring memory bandwidth ({plan.bandwidth_mib} MiB buffers) and matmul throughput ...")
+    hw = measure_hardware(device, plan.bandwidth_mib)
+    result["hardware"] = hw
+    bw = hw["bandwidth_gbs"]
+    log(
+        f"  copy {hw['copy_gbs']:.1f} GB/s, read {hw['read_gbs']:.1f} GB/s, fp32 matmul "
+        f"{hw['matmul_fp32_gflops']:.0f} GFLOP/s"
+    )
+    models, prefill, decode, peers = {}, [], [], []
+    for variant in plan.variants:
+        cfg = variant.cfg
+        need = max(max(plan.context) + plan.warmup + plan.steps, max(plan.prompt))
+        if cfg.max_seq_len < need:
+            cfg = cfg.replace(max_seq_len=need)
+        model = build_model(cfg, device=device, dtype=dtype).eval()
+        weight_bytes = streamed_weight_bytes(model)
+        elt = torch.empty((), dtype=dtype).element_size()
+        models[variant.label] = {
+            "attention": cfg.attention,
+            "config": {k: v for k, v in cfg.to_dict().items() if k not in ("note", "extra")},
+            "parameters": model.parameter_counts(),
+            "streamed_weight_bytes": weight_bytes,
+            "kv_bytes_per_token": cfg.kv_cache_bytes_per_token(elt),
+            "naive_kv_bytes_per_token": sum(_numel(s) for s in model.cache_specs(naive=True)) * elt,
+            "modes": variant.modes,
+        }
+        log(f"{variant.label}: {model.parameter_counts()['total'] / 1e6:.1f}M parameters, "
+            f"{models[variant.label]['kv_bytes_per_token']} KV bytes/token")
+        for mode in variant.modes:
+            pmode = "naive" if mode == "naive" else "auto"  # prefill takes the fast route of its cache
+            for b in plan.batch:
+                for p in plan.prompt:
+                    if any(r["variant"] == variant.label and r["mode"] == pmode and r["batch"] == b and r["prompt"] == p
+                           for r in prefill):
+                        continue
+                    row = bench_prefill(model, b, p, pmode, 1, plan.repeats)
+                    prefill.append({"impl": "kvlm", "variant": variant.label, "mode": pmode, "batch": b, "prompt": p, **row})
+                    log(f"  prefill {pmode:8s} B={b:<3d} T={p:<6d} {row['median_ms']:9.2f} ms")
+                for c in plan.context:
+                    row = bench_decode(model, b, c, mode, plan.warmup, plan.steps)
+                    row.update(roofline(weight_bytes, row["kv_cache_bytes"], bw, row["median_ms"]))
+                    decode.append({"impl": "kvlm", "variant": variant.label, "mode": mode, "batch": b, "context": c, **row})
+                    log(f"  decode  {mode:8s} B={b:<3d} L={c:<6d} {row['median_ms']:9.2f} ms/token "
+                        f"(floor {row['floor_ms']:.2f} ms, x{row['roofline_ratio']:.2f}), "
+                        f"peak +{row['peak_extra_bytes'] / 2**20:.0f} MiB")
+        if plan.peers:
+            peers.append(_run_peer(variant.label, model, plan, weight_bytes, bw, prefill, decode, log))
+        del model
+        gc.collect()
+    result.update(models=models, prefill=prefill, decode=decode, peers=peers)
+    result["ratios"] = peer_ratios(decode, prefill)
+    result["targets"] = targets(result)
+    return result
+
+
+def _numel(spec: dict[str, tuple[int, ...]]) -> int:
+    from kvlm.config import _numel as n
+
+    return n(spec)
+
+
+def _run_peer(label, model, plan: Plan, weight_bytes, bw, prefill, decode, log) -> dict:
+    from kvlm.peers import PeerUnavailable, build_peer, max_logit_diff
+
+    info: dict[str, Any] = {"variant": label}
+    try:
+        peer = build_peer(model)
+    except PeerUnavailable as e:
+        info.update(peer=None, skipped=str(e))
+        log(f"  peer: none ({e})")
+        return info
+    info.update(peer=peer.name, attn_implementation=peer.attn_implementation)
+    device = model.embed.weight.device
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 16), device=device)
+    with torch.inference_mode():
+        scale = model(tokens).abs().max().item()
+    diff = max_logit_diff(model, peer, tokens, decode_steps=2)
+    tol = agreement_tolerance(plan.dtype)
+    info.update(max_logit_diff=diff, logit_scale=scale, tolerance=tol, agree=diff <= tol * max(1.0, scale))
+    log(f"  peer {peer.name} ({peer.attn_implementation}): max |logit diff| {diff:.2e} (logits up to {scale:.2f})")
+    if not info["agree"]:
+        info["skipped"] = "logits disagree with kvlm: not timed"
+        log("  peer logits disagree: not timed")
+        return info
+    impl = f"hf:{peer.name.split()[-1]}"
+    for b in plan.batch:
+        for p in plan.prompt:
+            row = bench_peer_prefill(peer, b, p, model.cfg.vocab_size, device, 1, plan.repeats)
+            prefill.append({"impl": impl, "variant": label, "mode": "hf", "batch": b, "prompt": p, **row})
+            log(f"  prefill {'peer':8s} B={b:<3d} T={p:<6d} {row['median_ms']:9.2f} ms")
+        for c in plan.context:
+            row = bench_peer_decode(peer, b, c, model.cfg.vocab_size, device, plan.warmup, plan.steps)
+            row.update(roofline(weight_bytes, row["kv_cache_bytes"], bw, row["median_ms"]))
+            decode.append({"impl": impl, "variant": label, "mode": "hf", "batch": b, "context": c, **row})
+            log(f"  decode  {'peer':8s} B={b:<3d} L={c:<6d} {row['median_ms']:9.2f} ms/token "
+                f"(floor {row['floor_ms']:.2f} ms, x{row['roofline_ratio']:.2f})")
+    del peer
+    gc.collect()
+    return info
+
+
+def peer_ratios(decode: list[dict], prefill: list[dict]) -> list[dict]:
+    """kvlm's speed-up over its peer (peer time / kvlm time) for every kvlm row that has a peer row."""
+    out = []
+    for kind, rows, key in (("decode", decode, "context"), ("prefill", prefill, "prompt")):
+        peer = {(r["variant"], r["batch"], r[key]): r for r in rows if r["impl"] != "kvlm"}
+        for r in rows:
+            p = peer.get((r["variant"], r["batch"], r[key]))
+            if r["impl"] != "kvlm" or p is None:
+                continue
+            out.append({
+                "kind": kind, "variant": r["variant"], "mode": r["mode"], "batch": r["batch"], key: r[key],
+                "peer": p["impl"], "kvlm_ms": r["median_ms"], "peer_ms": p["median_ms"],
+                "speedup": p["median_ms"] / r["median_ms"],
+            })
+    return out
+
+
+def targets(result: dict) -> list[dict]:
+    """The issue's claims, checked on this run's numbers (informative: timings are noisy)."""
+    decode = [r for r in result["decode"]]
+    kv = [r for r in decode if r["impl"] == "kvlm"]
+    out = []
+
+    def find(variant, mode, batch, context, impl="kvlm"):
+        for r in decode:
+            if (r["impl"] == impl or (impl == "peer" and r["impl"] != "kvlm")) and r["variant"] == variant \
+                    and r["mode"] == mode and r["batch"] == batch and r["context"] == context:
+                return r
+        return None
+
+    attn = {label: m["attention"] for label, m in result["models"].items()}
+    for r in kv:  # 1. absorbed MLA decode faster than naive from 1K context up
+        if attn[r["variant"]] == "mla" and r["mode"] == "absorbed" and r["context"] >= 1024:
+            n = find(r["variant"], "naive", r["batch"], r["context"])
+            if n:
+                out.append(_target("absorbed MLA decode faster than naive (>= 1K context)", r, n["median_ms"] / r["median_ms"], 1.0))
+    for r in kv:  # 2. kvlm MLA faster than transformers' DeepseekV3 from 2K context
+        if attn[r["variant"]] == "mla" and r["mode"] in ("auto", "absorbed") and r["context"] >= 2048:
+            p = find(r["variant"], "hf", r["batch"], r["context"], impl="peer")
+            if p:
+                out.append(_target("kvlm MLA decode faster than transformers DeepseekV3 (>= 2K context)", r,
+                                   p["median_ms"] / r["median_ms"], 1.0))
+    longest = max((r["context"] for r in kv), default=0)
+    for r in kv:  # 4. decode at long context within 2x of the bandwidth roofline
+        if attn[r["variant"]] in ("mha", "gqa", "mqa", "mla") and r["context"] == longest and r["mode"] != "naive":
+            out.append(_target("decode within 2x of the bandwidth roofline (longest context)", r,
+                               2.0 / r["roofline_ratio"], 1.0, shown=r["roofline_ratio"], shown_name="measured/floor"))
+    return out
+
+
+def _target(claim, r, margin, need, shown=None, shown_name="speed-up"):
+    return {
+        "claim": claim, "variant": r["variant"], "mode": r["mode"], "batch": r["batch"], "context": r["context"],
+        shown_name: margin if shown is None else shown, "met": margin >= need,
+    }
+
+
+# --- report ------------------------------------------------------------------------------------------------
+def _mib(x: float) -> str:
+    return f"{x / 2**20:.1f}"
+
+
+def markdown(result: dict) -> str:
+    """Result tables (GitHub markdown): what benchmarks/README.md shows."""
+    hw = result["hardware"]
+    lines = [
+        f"Machine: {result['machine']['cpu']}, {result['machine']['cores']} cores ({result['machine']['threads']} torch "
+        f"threads), torch {result['machine']['torch']}, transformers {result['machine']['transformers']}, "
+        f"{result['settings']['device']}, {result['settings']['dtype']}; {result['date']}.",
+        f"Bandwidth: copy {hw['copy_gbs']:.1f} GB/s, read {hw['read_gbs']:.1f} GB/s (floor uses "
+        f"{hw['bandwidth_gbs']:.1f}); fp32 matmul {hw['matmul_fp32_gflops']:.0f} GFLOP/s.",
+        "",
+        "| variant | params (M) | streamed weights (MiB) | KV bytes/token | naive KV bytes/token |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for label, m in result["models"].items():
+        lines.append(f"| {label} | {m['parameters']['total'] / 1e6:.1f} | {_mib(m['streamed_weight_bytes'])} | "
+                     f"{m['kv_bytes_per_token']} | {m['naive_kv_bytes_per_token']} |")
+    lines += ["", "Decode (per token, median of the timed steps; spread = IQR):", "",
+              "| variant | impl | mode | batch | context | ms/token | IQR ms | tokens/s | KV MiB | peak +MiB | floor ms | x floor |",
+              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in sorted(result["decode"], key=lambda r: (r["batch"], r["context"])):
+        lines.append(
+            f"| {r['variant']} | {r['impl']} | {r['mode']} | {r['batch']} | {r['context']} | {r['median_ms']:.2f} | "
+            f"{r['iqr_ms']:.2f} | {r['tokens_per_s']:.1f} | {_mib(r['kv_cache_bytes'])} | {_mib(r['peak_extra_bytes'])} | "
+            f"{r['floor_ms']:.2f} | {r['roofline_ratio']:.2f} |"
+        )
+    lines += ["", "Prefill (median of repeats):", "",
+              "| variant | impl | mode | batch | prompt | ms | IQR ms | tokens/s | peak +MiB |",
+              "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in sorted(result["prefill"], key=lambda r: (r["batch"], r["prompt"])):
+        lines.append(f"| {r['variant']} | {r['impl']} | {r['mode']} | {r['batch']} | {r['prompt']} | {r['median_ms']:.1f} | "
+                     f"{r['iqr_ms']:.1f} | {r['tokens_per_s']:.0f} | {_mib(r['peak_extra_bytes'])} |")
+    if result["peers"]:
+        lines += ["", "| variant | peer | attention kernel | max abs logit diff | agree | note |", "|---|---|---|---:|---|---|"]
+        for p in result["peers"]:
+            diff = f"{p['max_logit_diff']:.1e}" if "max_logit_diff" in p else "-"
+            lines.append(f"| {p['variant']} | {p.get('peer') or '-'} | {p.get('attn_implementation', '-')} | {diff} | "
+                         f"{p.get('agree', '-')} | {p.get('skipped', '')} |")
+    if result["ratios"]:
+        lines += ["", "kvlm speed-up over transformers (peer time / kvlm time):", "",
+                  "| kind | variant | kvlm mode | batch | length | kvlm ms | peer ms | speed-up |", "|---|---|---|---:|---:|---:|---:|---:|"]
+        for r in result["ratios"]:
+            length = r.get("context", r.get("prompt"))
+            lines.append(f"| {r['kind']} | {r['variant']} | {r['mode']} | {r['batch']} | {length} | {r['kvlm_ms']:.2f} | "
+                         f"{r['peer_ms']:.2f} | {r['speedup']:.2f}x |")
+    if result["targets"]:
+        lines += ["", "| claim | variant | mode | batch | context | value | met |", "|---|---|---|---:|---:|---:|---|"]
+        for t in result["targets"]:
+            value = t.get("speed-up", t.get("measured/floor"))
+            lines.append(f"| {t['claim']} | {t['variant']} | {t['mode']} | {t['batch']} | {t['context']} | "
+                         f"{value:.2f} | {'yes' if t['met'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: str | Path) -> None:
+    """Decode latency and tokens/s against context length, one line per (variant, impl, mode, batch)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
+    groups: dict[tuple, list[dict]] = {}
+    for r in result["decode"]:
+        groups.setdefault((r["variant"], r["impl"], r["mode"], r["batch"]), []).append(r)
+    for (variant, impl, mode, batch), rows in sorted(groups.items()):
+        rows.sort(key=lambda r: r["context"])
+        xs = [r["context"] for r in rows]
+        name = f"{variant} {mode} B={batch}" if impl == "kvlm" else f"{variant} {impl} B={batch}"
+        style = "o-" if impl == "kvlm" else "s--"
+        ax1.plot(xs, [r["median_ms"] for r in rows], style, label=name)
+        ax2.plot(xs, [r["tokens_per_s"] for r in rows], style, label=name)
+    for ax, ylabel in ((ax1, "decode latency (ms / step)"), (ax2, "decode tokens/s")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("cached tokens (context)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+    ax1.legend(fontsize=7)
+    s = result["settings"]
+    fig.suptitle(f"kvlm bench ({result.get('suite') or 'custom'}): {s['dtype']} on {result['machine']['cpu']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --- command line -------------------------------------------------------------------------------------------
+def add_arguments(p) -> None:
+    p.add_argument("--suite", choices=sorted(SUITES), help="a named benchmark; other options override its values")
+    p.add_argument("--variants", help="comma-separated attentions or presets, each optionally name:key=value:... "
+                   "(e.g. mha,gqa:n_kv_head=4,mla:kv_lora_rank=128)")
+    p.add_argument("--modes", help="decode modes for latent mechanisms: auto, naive (materialised K/V), absorbed, "
+                   "expand; comma-separated (others always use auto)")
+    p.add_argument("--batch", help="batch sizes, comma-separated")
+    p.add_argument("--context", help="cached tokens before decoding, comma-separated")
+    p.add_argument("--prompt", help="prefill prompt lengths, comma-separated")
+    p.add_argument("--steps", type=int, help="timed decode steps per measurement")
+    p.add_argument("--warmup", type=int, help="untimed decode steps before timing")
+    p.add_argument("--repeats", type=int, help="timed prefills per measurement")
+    for name in SHAPE_FIELDS:
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, dest=name, help=f"model {name} (overrides the suite)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (cuda if available)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--no-peers", action="store_true", help="skip the transformers peers")
+    p.add_argument("--bandwidth-mib", type=int, help="buffer size of the bandwidth measurement (default 512)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", help="write the result JSON here (and the plot next to it unless --plot)")
+    p.add_argument("--plot", help="write the decode plot (PNG) here")
+    p.add_argument("--markdown", help="write the result tables (markdown) here")
+    p.add_argument("--json", action="store_true", help="print the result as one JSON object on the last line")
+
+
+def plan_from_args(args) -> Plan:
+    suite = SUITES[args.suite] if args.suite else {}
+    get = lambda key: getattr(args, key, None) if getattr(args, key, None) is not None else suite.get(key, DEFAULTS.get(key))  # noqa: E731
+    shape = dict(DEFAULTS["shape"]) if not args.suite else dict(suite["shape"])
+    explicit = {name: getattr(args, name) for name in SHAPE_FIELDS if getattr(args, name, None) is not None}
+    shape.update(explicit)
+    modes = [m.strip() for m in str(get("modes")).split(",") if m.strip()]
+    for m in modes:
+        if m not in MODES:
+            raise BenchError(f"unknown mode {m!r}; known: {', '.join(MODES)}")
+    variants = []
+    for spec in str(get("variants")).split(","):
+        if not spec.strip():
+            continue
+        label, cfg = parse_variant(spec, shape, explicit)
+        variants.append(Variant(label, cfg, decode_modes(cfg, modes)))
+    if not variants:
+        raise BenchError("no variants to benchmark")
+    for what in ("steps", "repeats"):
+        if get(what) <= 0:
+            raise BenchError(f"--{what} must be positive, got {get(what)}")
+    if get("warmup") < 0:
+        raise BenchError(f"--warmup must be >= 0, got {get('warmup')}")
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise BenchError("--device cuda but CUDA is not available")
+    return Plan(
+        variants=variants,
+        batch=_ints(get("batch"), "batch"),
+        context=_ints(get("context"), "context"),
+        prompt=_ints(get("prompt"), "prompt"),
+        steps=get("steps"),
+        warmup=get("warmup"),
+        repeats=get("repeats"),
+        dtype=DTYPES[args.dtype],
+        device=device,
+        peers=not args.no_peers,
+        bandwidth_mib=get("bandwidth_mib"),
+        seed=args.seed,
+        suite=args.suite,
+    )
+
+
+def main(args) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    plan = plan_from_args(args)
+    log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else (lambda *a: print(*a, flush=True))
+    result = run(plan, log)
+    result["arguments"] = {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "command"}
+    table = markdown(result)
+    print(table)
+    if args.markdown:
+        Path(args.markdown).write_text(table + "\n")
+    plot_path = args.plot or (str(Path(args.out).with_suffix(".png")) if args.out else None)
+    if plot_path:
+        Path(plot_path).parent.mkdir(parents=True, exist_ok=True)
+        plot(result, plot_path)
+        result["plot"] = str(plot_path)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    if args.json:
+        print(json.dumps(result))
+    return 0

@@ -1,0 +1,610 @@
+"""More than one device, on torch.distributed (gloo on CPU, NCCL on CUDA), launched with torchrun.
+
+Tensor-parallel decoding (mlra.md Sec. 3.4, Table 1). ``shard_model(model, rank, world)`` replaces every
+attention layer by the part one rank computes and every FFN by its Megatron slice:
+
+- attention: each rank holds a shard of the heads / latent blocks (a module of the mechanism's own class
+  built from a per-rank config, its weights sliced out of the full layer) and the matching column slice
+  of W_O; the per-rank partial outputs of W_O are summed with one all-reduce (row-parallel W_O). Each rank
+  caches only what its shard reads, so ``model.new_cache`` on a sharded model allocates only that part.
+- FFN: column-parallel W1 (and W2 of SwiGLU), row-parallel W_O, one all-reduce (Megatron style).
+- token embedding, final norm and LM head: replicated (every rank gets the same logits).
+
+How each mechanism splits (the paper's deployment of it; ``tp_plan`` says it per layer):
+MHA/GQA/MQA by KV head (a KV head is replicated once the degree exceeds g); MLA by query head with the
+latent cache c_kv, k_rope replicated on every rank, as FlashMLA deploys it (the redundancy MLRA criticises).
+
+EG-MLA embedding parallelism (eg-mla.md "Embedding Parallelism", Eqs. 9-11, Table 6).
+``shard_gate_embeddings(model, rank, world)`` keeps on each data-parallel rank only a column slice
+(d_kv / W dims, Eq. 9) of every layer's gating embedding table. The ranks hold different batches (DDP), so
+a rank needs every rank's slice of its own tokens: the token ids are all-gathered, each rank looks up its
+slice for all of them (Eq. 10) and one exchange gives every rank the concatenated embedding of its own
+tokens (an all-to-all: the part of the paper's all-gather that each rank actually needs). W^UE (Eq. 11)
+and the rest of the model stay replicated under DDP; ``wrap_ddp`` keeps DDP off the sharded tables.
+
+Run ``python -m kvlm.distributed --help`` for the runnable entries (under torchrun).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from kvlm.config import ConfigError, _numel
+
+# =====================================================================================================
+# Process group
+# =====================================================================================================
+
+
+@dataclass
+class TPContext:
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+    group: dist.ProcessGroup | None = None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_tp(backend: str | None = None, device: str | None = None) -> TPContext:
+    """Join the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT).
+
+    Backend: NCCL when CUDA is used, else gloo. Each rank uses cuda:LOCAL_RANK on a GPU machine.
+    Without torchrun's environment (a plain single process) this returns a world of one."""
+    want_cuda = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    if not dist.is_initialized():
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            dev = torch.device("cuda" if want_cuda else "cpu")
+            return TPContext(0, 1, 0, dev, None)
+        backend = backend or ("nccl" if want_cuda else "gloo")
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        if want_cuda:
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group(backend)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    dev = torch.device(f"cuda:{local_rank}") if want_cuda else torch.device("cpu")
+    return TPContext(dist.get_rank(), dist.get_world_size(), local_rank, dev, None)
+
+
+def require_world(tp: int, ctx: TPContext) -> None:
+    """A clear error when --tp N does not match the processes torchrun started."""
+    if tp != ctx.world:
+        raise ConfigError(
+            f"--tp {tp} needs {tp} processes but this run has {ctx.world}: launch with "
+            f"`torchrun --nproc-per-node {tp} -m kvlm.cli ...`"
+        )
+
+
+# =====================================================================================================
+# Collectives with autograd
+# =====================================================================================================
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum of the ranks' partial outputs (Megatron's reduce out of the tensor-parallel region). The input
+    of the layer is replicated, so the gradient of each partial output is the gradient of the sum."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def all_reduce_sum(x: torch.Tensor, group=None) -> torch.Tensor:
+    return _AllReduceSum.apply(x, group)
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single of a flat tensor with uneven splits; the backward sends gradients back the
+    way the values came."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits, in_splits, group):
+        ctx.splits = (out_splits, in_splits, group)
+        out = x.new_empty(sum(out_splits))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits, group = ctx.splits
+        back = grad.new_empty(sum(in_splits))
+        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=group)
+        return back, None, None, None
+
+
+# =====================================================================================================
+# Slicing a module's weights into a per-rank module
+# =====================================================================================================
+
+# A rule says how one parameter of the full module becomes the rank's: ("rows"/"cols", unit, units kept)
+# keeps the listed blocks of `unit` rows (dim 0) or columns (dim 1); "first" keeps the tensor on rank 0
+# and zeros elsewhere (the bias of a row-parallel output, added once by the all-reduce); a callable maps
+# the full tensor to the rank's. Unlisted parameters are replicated.
+Rule = tuple
+
+
+def _take(t: torch.Tensor, dim: int, unit: int, keep: Sequence[int]) -> torch.Tensor:
+    if dim >= t.dim():
+        raise ValueError(f"cannot slice dim {dim} of a {t.dim()}-d tensor")
+    blocks = t.unflatten(dim, (t.shape[dim] // unit, unit))
+    idx = torch.as_tensor(list(keep), dtype=torch.long, device=t.device)
+    return blocks.index_select(dim, idx).flatten(dim, dim + 1).clone()
+
+
+def slice_state(module: nn.Module, rules: dict[str, Rule], rank: int) -> dict[str, torch.Tensor]:
+    """The state dict of `module` with each ruled parameter replaced by this rank's part."""
+    state = {}
+    for name, t in module.state_dict().items():
+        rule = rules.get(name)
+        if rule is None:
+            state[name] = t.clone()
+        elif callable(rule):
+            state[name] = rule(t).clone()
+        elif rule[0] == "first":
+            state[name] = t.clone() if rank == 0 else torch.zeros_like(t)
+        else:
+            kind, unit, keep = rule
+            state[name] = _take(t, 0 if kind == "rows" else 1, unit, keep)
+    return state
+
+
+def build_shard(cls, cfg, layer_idx: int, like: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
+    """A module of class `cls` built from the per-rank config, holding the sliced weights (strict load:
+    a shape that does not fit says which parameter and how)."""
+    p = next(like.parameters())
+    with torch.device(p.device):
+        shard = cls(cfg, layer_idx) if layer_idx is not None else cls(cfg)
+    shard = shard.to(p.dtype)
+    try:
+        shard.load_state_dict(state, strict=True)
+    except RuntimeError as e:
+        raise ConfigError(f"cannot shard {cls.__name__}: per-rank weights do not fit ({e})") from e
+    return shard
+
+
+def local_config(cfg, **fields):
+    """The config a shard's module is built from: the full config with per-rank sizes (n_head, n_kv_head,
+    kv_lora_rank, ...). Not validated as a model of its own: a shard need not be one (e.g. one latent block
+    of MLRA-4 with a d_c that is no multiple of 4)."""
+    local = copy.copy(cfg)
+    local.extra = dict(cfg.extra)
+    for k, v in fields.items():
+        if not hasattr(cfg, k):
+            raise ConfigError(f"internal: ModelConfig has no field {k!r}")
+        setattr(local, k, v)
+    return local
+
+
+def _rng(start: int, n: int) -> list[int]:
+    return list(range(start, start + n))
+
+
+# =====================================================================================================
+# Tensor-parallel modules
+# =====================================================================================================
+
+
+class TPAttention(nn.Module):
+    """One rank's shard of an attention layer. `inner` computes the shard's heads or latent blocks and
+    its slice of W_O; the partial outputs of all ranks are summed (row-parallel W_O)."""
+
+    def __init__(self, inner: nn.Module, plan: dict, group=None):
+        super().__init__()
+        self.inner = inner
+        self.plan = plan  # how this rank's part was cut (for reports)
+        self.group = group
+
+    @property
+    def has_naive_cache(self) -> bool:
+        return getattr(self.inner, "has_naive_cache", False)
+
+    @property
+    def needs_token_ids(self) -> bool:
+        return getattr(self.inner, "needs_token_ids", False)
+
+    @property
+    def layer_idx(self) -> int:
+        return self.inner.layer_idx
+
+    def cache_spec(self, naive: bool = False) -> dict[str, tuple[int, ...]]:
+        return self.inner.cache_spec(naive=naive)
+
+    def forward(self, x, step, cache=None):
+        return all_reduce_sum(self.inner(x, step, cache), self.group)
+
+
+class TPMLP(nn.Module):
+    """Megatron FFN shard: column-parallel W1 (and W2), row-parallel W_O, one all-reduce."""
+
+    def __init__(self, inner: nn.Module, group=None):
+        super().__init__()
+        self.inner = inner
+        self.group = group
+
+    def forward(self, x):
+        return all_reduce_sum(self.inner(x), self.group)
+
+
+def _shard_mlp(mlp: nn.Module, cfg, rank: int, world: int) -> nn.Module:
+    d_f = mlp.w1.weight.shape[0]
+    keep = torch.tensor_split(torch.arange(d_f), world)[rank].tolist()
+    if not keep:
+        raise ConfigError(f"ffn_dim={d_f} is smaller than the tensor-parallel degree {world}")
+    rules = {"wo.weight": ("cols", 1, keep), "wo.bias": ("first",)}
+    for name in ("w1", "w2"):
+        rules[f"{name}.weight"] = ("rows", 1, keep)
+        rules[f"{name}.bias"] = ("rows", 1, keep)
+    return build_shard(type(mlp), local_config(cfg, ffn_dim=len(keep)), None, mlp, slice_state(mlp, rules, rank))
+
+
+# --- per-mechanism sharders ------------------------------------------------------------------------
+# Each takes (attn module, rank, world) and returns (inner shard module, plan dict). The plan says which
+# query heads / KV heads / latent blocks the rank holds.
+
+Sharder = Callable[[nn.Module, int, int], tuple[nn.Module, dict]]
+SHARDERS: dict[str, Sharder] = {}
+
+
+def sharder(*names: str):
+    def deco(fn: Sharder) -> Sharder:
+        for n in names:
+            SHARDERS[n] = fn
+        return fn
+
+    return deco
+
+
+def _heads_of(h: int, rank: int, world: int) -> list[int]:
+    """The query heads of `rank` when h heads split evenly across `world` ranks."""
+    if h % world:
+        raise ConfigError(f"n_head={h} is not divisible by the tensor-parallel degree {world}")
+    return _rng(rank * (h // world), h // world)
+
+
+def _output_rules(heads: list[int], dv: int) -> dict[str, Rule]:
+    """W_O columns and the output gate's rows of the rank's heads (d_v = dv each); W_O's bias once."""
+    return {
+        "wo.weight": ("cols", dv, heads),
+        "wo.bias": ("first",),
+        "gate.weight": ("rows", dv, heads),
+        "gate.bias": ("rows", dv, heads),
+    }
+
+
+def _group_split(h: int, g: int, rank: int, world: int, what: str = "n_kv_head") -> tuple[list[int], list[int]]:
+    """Query heads and KV heads (groups) of `rank` when h query heads share g KV heads (head i reads
+    group i // (h/g)). Up to g ranks split the groups; beyond, each group is replicated on world/g ranks
+    that split its query heads."""
+    if h % world:
+        raise ConfigError(f"n_head={h} is not divisible by the tensor-parallel degree {world}")
+    hl = h // world
+    q = _rng(rank * hl, hl)
+    if world <= g:
+        if g % world:
+            raise ConfigError(f"{what}={g} is not divisible by the tensor-parallel degree {world}")
+        gl = g // world
+        return q, _rng(rank * gl, gl)
+    if world % g:
+        raise ConfigError(f"tensor-parallel degree {world} is not a multiple of {what}={g}")
+    return q, [rank // (world // g)]
+
+
+@sharder("mha", "mqa", "gqa")
+def _shard_mha(attn, rank, world):
+    cfg = attn.cfg
+    dh = cfg.head_dim
+    q, kv = _group_split(cfg.n_head, cfg.n_kv_head, rank, world)
+    rules = {"wq.weight": ("rows", dh, q), "wq.bias": ("rows", dh, q), **_output_rules(q, dh)}
+    for w in ("wk", "wv"):
+        rules[f"{w}.weight"] = ("rows", dh, kv)
+        rules[f"{w}.bias"] = ("rows", dh, kv)
+    local = local_config(cfg, n_head=len(q), n_kv_head=len(kv))
+    inner = build_shard(type(attn), local, attn.layer_idx, attn, slice_state(attn, rules, rank))
+    return inner, {"query_heads": q, "kv_heads": kv}
+
+
+@sharder("mla")
+def _shard_mla(attn, rank, world):
+    """By query head, as FlashMLA: W^UQ, W^QR, W^UK, W^UV rows and W^O columns of the rank's heads; the
+    down-projections and the whole latent cache (c_kv, k_rope) on every rank (mlra.md Sec. 3.4)."""
+    cfg = attn.cfg
+    dh, dr = cfg.head_dim, cfg.rope_head_dim
+    q = _heads_of(cfg.n_head, rank, world)
+    rules = _output_rules(q, dh)
+    per_head = {"w_uk": dh, "w_uv": dh, "w_uq": dh, "w_qr": dr, "wq": dh + dr}
+    for w, width in per_head.items():
+        rules[f"{w}.weight"] = ("rows", width, q)
+        rules[f"{w}.bias"] = ("rows", width, q)
+    inner = build_shard(type(attn), local_config(cfg, n_head=len(q)), attn.layer_idx, attn, slice_state(attn, rules, rank))
+    inner.absorb_fold = attn.absorb_fold
+    return inner, {"query_heads": q, "latent": "replicated"}
+
+
+@sharder("mfa")
+def _shard_mfa(attn, rank, world):
+    """By query head; the one shared key and value head is cached on every rank (mlra.md Table 1)."""
+    cfg = attn.cfg
+    dh = cfg.head_dim
+    q = _heads_of(cfg.n_head, rank, world)
+    rules = _output_rules(q, dh)
+    for w in ("wq", "wq_b"):
+        rules[f"{w}.weight"] = ("rows", dh, q)
+        rules[f"{w}.bias"] = ("rows", dh, q)
+    inner = build_shard(type(attn), local_config(cfg, n_head=len(q)), attn.layer_idx, attn, slice_state(attn, rules, rank))
+    return inner, {"query_heads": q, "kv_heads": "replicated"}
+
+
+@sharder("gta")
+def _shard_gta(attn, rank, world):
+    """By group: the rank's query heads and their tied value/key heads; k_rope on every rank."""
+    cfg = attn.cfg
+    dh = cfg.head_dim
+    q, kv = _group_split(cfg.n_head, cfg.n_kv_head, rank, world)
+    rules = {"wq.weight": ("rows", dh, q), "wq.bias": ("rows", dh, q), **_output_rules(q, dh)}
+    rules["wkv.weight"] = ("rows", dh, kv)
+    rules["wkv.bias"] = ("rows", dh, kv)
+    local = local_config(cfg, n_head=len(q), n_kv_head=len(kv))
+    inner = build_shard(type(attn), local, attn.layer_idx, attn, slice_state(attn, rules, rank))
+    return inner, {"query_heads": q, "kv_heads": kv, "k_rope": "replicated"}
+
+
+@sharder("tpa")
+def _shard_tpa(attn, rank, world):
+    """By coefficient: the rank's heads' columns of Q^A, K^A, V^A (rows of W^A laid out (beta, h) per
+    factor); the shared factors Q^C, K^C, V^C (W^C) on every rank (mlra.md Sec. 3.4)."""
+    cfg = attn.cfg
+    h, dh, bq, bkv = cfg.n_head, cfg.head_dim, cfg.tpa_q_rank, cfg.tpa_kv_rank
+    q = _heads_of(h, rank, world)
+    rows = [p * h + i for p in range(bq + 2 * bkv) for i in q]  # [A^Q (bq, h); A^K (bkv, h); A^V (bkv, h)]
+    rules = {"w_a.weight": ("rows", 1, rows), "w_a.bias": ("rows", 1, rows), **_output_rules(q, dh)}
+    inner = build_shard(type(attn), local_config(cfg, n_head=len(q)), attn.layer_idx, attn, slice_state(attn, rules, rank))
+    return inner, {"query_heads": q, "coefficients": q, "factors": "replicated"}
+
+
+@sharder("gla-2", "gla-4", "mlra-2", "mlra-4")
+def _shard_latent_blocks(attn, rank, world):
+    """By latent block (mlra.md Sec. 3.2-3.4): a rank holds whole blocks of the KV latent with the up-projections
+    of the heads they serve, caches only those blocks (plus the shared k_rope), and its partial W^O output sums
+    with the other ranks'. MLRA's branches of one head may sit on different ranks: the per-branch outputs are
+    linear in W^O, so the all-reduce completes the branch sum of Eqs. 5-6. Beyond one block per rank (degree >
+    n_blocks) a block is replicated on world / n_blocks ranks that split its heads."""
+    cfg = attn.cfg
+    G, bpg, nb, r, d_lat = attn.G, attn.bpg, attn.n_blocks, attn.r, attn.d_lat
+    dh, dr, dc = cfg.head_dim, cfg.rope_head_dim, cfg.kv_lora_rank
+    if world <= nb:
+        if nb % world:
+            raise ConfigError(f"{cfg.attention} has {nb} latent blocks, not divisible by the tensor-parallel degree {world}")
+        k = nb // world
+        blocks = _rng(rank * k, k)
+        within = list(range(r))  # every head of each block
+        if k >= bpg:  # whole head groups
+            if k % bpg:
+                raise ConfigError(f"{cfg.attention}: {k} blocks per rank would split a head group of {bpg} blocks")
+            G_loc, bpg_loc = k // bpg, bpg
+        else:  # some branches of one head group
+            G_loc, bpg_loc = 1, k
+    else:
+        if world % nb or r % (world // nb):
+            raise ConfigError(
+                f"{cfg.attention}: tensor-parallel degree {world} must be a multiple of its {nb} latent blocks "
+                f"and split the {r} heads of a block evenly"
+            )
+        per = world // nb
+        blocks = [rank // per]
+        r_loc = r // per
+        within = _rng((rank % per) * r_loc, r_loc)
+        G_loc, bpg_loc = 1, 1
+    groups = sorted({b // bpg for b in blocks})
+    heads = [g * r + j for g in groups for j in within]  # global heads, in the local head order
+    bl = torch.as_tensor(blocks)
+    wi = torch.as_tensor(within)
+    rules = _output_rules(heads, dh)
+    for w in ("wq", "wq_b"):
+        rules[f"{w}.weight"] = ("rows", dh + dr, heads)
+        rules[f"{w}.bias"] = ("rows", dh + dr, heads)
+    latent_rows = [b * d_lat + i for b in blocks for i in range(d_lat)] + list(range(dc, dc + dr))
+    rules["wkv_a.weight"] = ("rows", 1, latent_rows)
+    rules["wkv_a.bias"] = ("rows", 1, latent_rows)
+    rules["kv_norm.weight"] = ("rows", 1, blocks)
+    for w in ("w_uk", "w_uv"):
+        rules[w] = lambda t: t[bl.to(t.device)][:, wi.to(t.device)]
+    shard_cls = type(f"{type(attn).__name__}Shard", (type(attn),), {"n_groups": G_loc, "blocks_per_group": bpg_loc})
+    local = local_config(cfg, n_head=G_loc * len(within), kv_lora_rank=len(blocks) * d_lat)
+    inner = build_shard(shard_cls, local, attn.layer_idx, attn, slice_state(attn, rules, rank))
+    inner.alpha_attn = attn.alpha_attn  # Eq. 10 scales by the full branch count, not the rank's
+    inner.alpha_kv = attn.alpha_kv  # sqrt(d / d_lat): unchanged, d_lat is the same
+    return inner, {"latent_blocks": blocks, "query_heads": heads, "k_rope": "replicated"}
+
+
+# =====================================================================================================
+# The sharded model
+# =====================================================================================================
+
+
+def shard_model(
+    model: nn.Module,
+    rank: int,
+    world: int,
+    group=None,
+    shard_ffn: bool = True,
+    inplace: bool = False,
+) -> nn.Module:
+    """The model whose attention layers compute only this rank's shard (and allocate only its cache)
+    and all-reduce the output of W_O; FFNs Megatron-sharded (shard_ffn=False: replicated). With world == 1
+    the model is returned unchanged. inplace=False works on a deep copy (the original stays usable)."""
+    if world < 1 or not 0 <= rank < world:
+        raise ConfigError(f"rank {rank} is not in a tensor-parallel world of {world}")
+    if world == 1:
+        return model
+    name = model.cfg.attention
+    if name not in SHARDERS:
+        raise ConfigError(
+            f"tensor-parallel decoding is not implemented for attention {name!r}; "
+            f"supported: {', '.join(sorted(SHARDERS))}"
+        )
+    if not inplace:
+        model = copy.deepcopy(model)
+    for block in model.layers:
+        inner, plan = SHARDERS[name](block.attn, rank, world)
+        block.attn = TPAttention(inner, plan, group)
+        if shard_ffn:
+            block.mlp = TPMLP(_shard_mlp(block.mlp, model.cfg, rank, world), group)
+    model.tp = {"rank": rank, "world": world, "attention": name, "ffn": "megatron" if shard_ffn else "replicated"}
+    return model
+
+
+def tp_plan(model: nn.Module) -> list[dict]:
+    """Per layer: what this rank holds (query heads, KV heads or latent blocks)."""
+    return [getattr(b.attn, "plan", {}) for b in model.layers]
+
+
+def kv_elements_per_token(model: nn.Module) -> int:
+    """Cache elements per token this rank holds, all layers: from the (sharded) modules' cache_spec."""
+    return sum(_numel(b.attn.cache_spec()) for b in model.layers)
+
+
+def kv_bytes_per_token(model: nn.Module, dtype_bytes: int = 2) -> int:
+    return kv_elements_per_token(model) * dtype_bytes
+
+
+def parameter_bytes(model: nn.Module) -> int:
+    """Bytes of the unique parameters this process holds."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return total
+
+
+# =====================================================================================================
+# EG-MLA embedding parallelism (dimension-wise sharding of the gating embedding tables)
+# =====================================================================================================
+
+
+class ShardedGateEmbedding(nn.Module):
+    """Columns [lo, hi) of a gating embedding table (Eq. 9: d_local = d_kv / W) on this rank.
+
+    forward(ids) returns the full-width embedding of this rank's own ids: token ids are all-gathered, each
+    rank looks up its column slice for every rank's ids (Eq. 10) and one all-to-all hands each rank the
+    slices of its tokens, concatenated in rank order. Backward sends the gradient slices back the same way,
+    so the table's gradient is the sum over every rank's tokens; with average_grads it is divided by the
+    world size, the mean that DDP applies to the replicated parameters."""
+
+    def __init__(self, table: torch.Tensor, bounds: list[int], rank: int, group=None, average_grads=True):
+        super().__init__()
+        self.bounds = bounds  # column boundaries of the ranks: rank r holds [bounds[r], bounds[r+1])
+        self.rank = rank
+        self.world = len(bounds) - 1
+        self.group = group
+        self.num_embeddings = table.shape[0]
+        self.embedding_dim = bounds[-1]
+        self.weight = nn.Parameter(table[:, bounds[rank] : bounds[rank + 1]].detach().clone())
+        self.weight.is_gate_embedding = True
+        self.weight.is_sharded_gate_embedding = True
+        if average_grads and self.world > 1:
+            self.weight.register_hook(lambda g: g / self.world)
+
+    def extra_repr(self) -> str:
+        lo, hi = self.bounds[self.rank], self.bounds[self.rank + 1]
+        return f"{self.num_embeddings}, columns [{lo}, {hi}) of {self.embedding_dim}, rank {self.rank}/{self.world}"
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        W, group = self.world, self.group
+        flat = ids.reshape(-1)
+        n = torch.tensor([flat.numel()], device=flat.device)
+        counts = [torch.zeros_like(n) for _ in range(W)]
+        dist.all_gather(counts, n, group=group)
+        counts = [int(c) for c in counts]
+        longest = max(counts)
+        padded = torch.zeros(longest, dtype=flat.dtype, device=flat.device)
+        padded[: flat.numel()] = flat
+        gathered = [torch.empty_like(padded) for _ in range(W)]
+        dist.all_gather(gathered, padded, group=group)
+        every = torch.cat([g[:c] for g, c in zip(gathered, counts)])
+        mine = nn.functional.embedding(every, self.weight)  # (sum counts, d_local), Eq. 10
+        widths = [self.bounds[r + 1] - self.bounds[r] for r in range(W)]
+        d_local = widths[self.rank]
+        in_splits = [c * d_local for c in counts]  # to rank j: my columns of j's tokens
+        out_splits = [flat.numel() * w for w in widths]  # from rank s: s's columns of my tokens
+        recv = _AllToAll.apply(mine.reshape(-1), out_splits, in_splits, group)
+        parts = [p.view(flat.numel(), w) for p, w in zip(recv.split(out_splits), widths)]
+        return torch.cat(parts, dim=-1).view(*ids.shape, self.embedding_dim)
+
+
+def _gate_tables(model: nn.Module) -> list[tuple[nn.Module, str, nn.Embedding]]:
+    """(parent, attribute, embedding) for every nn.Embedding whose weight is marked is_gate_embedding."""
+    out = []
+    for parent in model.modules():
+        for attr, child in parent.named_children():
+            if isinstance(child, nn.Embedding) and getattr(child.weight, "is_gate_embedding", False):
+                out.append((parent, attr, child))
+    return out
+
+
+def shard_gate_embeddings(
+    model: nn.Module, rank: int, world: int, group=None, average_grads: bool = True, inplace: bool = True
+) -> nn.Module:
+    """Replace every EG-MLA gating embedding table by this rank's column slice (ShardedGateEmbedding).
+    Tables shared by a layer group stay shared. Raises ConfigError when the model has no gate table."""
+    if world < 1 or not 0 <= rank < world:
+        raise ConfigError(f"rank {rank} is not in a world of {world}")
+    if not inplace:
+        model = copy.deepcopy(model)
+    tables = _gate_tables(model)
+    if not tables:
+        raise ConfigError(
+            f"attention {model.cfg.attention!r} has no gating embedding tables to shard (EG-MLA has them)"
+        )
+    if world == 1:
+        return model
+    done: dict[int, ShardedGateEmbedding] = {}
+    for parent, attr, emb in tables:
+        if id(emb) not in done:
+            d = emb.embedding_dim
+            if d < world:
+                raise ConfigError(f"gate embedding width {d} is smaller than the number of workers {world}")
+            sizes = [len(c) for c in torch.tensor_split(torch.arange(d), world)]
+            bounds = [0]
+            for s in sizes:
+                bounds.append(bounds[-1] + s)
+            done[id(emb)] = ShardedGateEmbedding(emb.weight.data, bounds, rank, group, average_grads)
+        setattr(parent, attr, done[id(emb)])
+    return model
+
+
+def sharded_parameter_names(model: nn.Module) -> list[str]:
+    """Names of parameters that differ between ranks (sharded gate tables): DDP must not average them."""
+    return [n for n, p in model.named_parameters() if getattr(p, "is_sharded_gate_embedding", False)]
+
+
+def wrap_ddp(model: nn.Module, device: torch.device | None = None, **kw) -> nn.Module:
+    """DistributedDataParallel over the replicated parameters only; sharded gate tables are left out."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ignore = sharded_parameter_names(model)
+    if ignore:
+        DDP._set_params_and_buffers_to_ignore_for_model(model, ignore)
+    if device is not None and device.type == "cuda":
+        kw.setdefault("device_ids", [device.index])
+    return DDP(model, **kw)

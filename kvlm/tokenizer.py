@@ -1,0 +1,177 @@
+"""Tokenizers: a byte-level BPE trained on the corpus, or GPT-2's files, behind one small wrapper.
+
+Both are byte-level (GPT-2's scheme: every byte maps to a printable symbol before BPE), so any text
+round-trips exactly: decode(encode(text)) == text. Documents are separated by one end-of-text token,
+"<|endoftext|>" (GPT-2's id 50256; id 0 in a BPE trained here).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from pathlib import Path
+
+EOS_TOKEN = "<|endoftext|>"
+
+
+class TokenizerError(ValueError):
+    """A tokenizer file or folder that is missing, unreadable, or lacks the end-of-text token."""
+
+
+class Tokenizer:
+    """A tokenizers.Tokenizer (``.backend``) with the few calls kvlm needs."""
+
+    def __init__(self, backend, eos_token: str = EOS_TOKEN, kind: str = "bpe"):
+        self.backend = backend
+        self.eos_token = eos_token
+        self.kind = kind
+        eos_id = backend.token_to_id(eos_token)
+        if eos_id is None:
+            raise TokenizerError(f"tokenizer has no end-of-text token {eos_token!r}")
+        self.eos_id: int = eos_id
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        # encode_batch_fast (tokenizers >= 0.21) skips the character offsets we do not use
+        enc = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
+        return [e.ids for e in enc(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def to_json(self) -> str:
+        return self.backend.to_str()
+
+    def sha256(self) -> str:
+        return hashlib.sha256(self.to_json().encode()).hexdigest()
+
+    def save(self, path: str | Path) -> Path:
+        """Writes tokenizer.json (into `path` if it is a folder)."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "tokenizer.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.backend.save(str(path))
+        return path
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(kind={self.kind!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
+
+
+def _byte_level(model):
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, pre_tokenizers
+
+    tok = HFTokenizer(model)
+    # add_prefix_space=False keeps the text unchanged, so decoding gives back exactly the input
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int = 4096, eos_token: str = EOS_TOKEN) -> Tokenizer:
+    """Train a byte-level BPE of (at most) `vocab_size` tokens, including the 256 byte symbols and the
+    end-of-text token. A small corpus can run out of merges first: then the vocabulary is smaller."""
+    from tokenizers import models, pre_tokenizers, trainers
+
+    if vocab_size < 257:
+        raise TokenizerError(f"vocab_size={vocab_size} is too small: byte-level BPE needs 256 bytes + end-of-text")
+    tok = _byte_level(models.BPE())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[eos_token],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return Tokenizer(tok, eos_token, kind="bpe")
+
+
+def gpt2_tokenizer(folder: str | Path = "gpt2") -> Tokenizer:
+    """GPT-2's BPE from a folder with vocab.json and merges.txt (or tokenizer.json). The name "gpt2"
+    (no such folder) fetches GPT-2's tokenizer from the Hugging Face hub, which needs a network."""
+    from tokenizers import AddedToken, models
+
+    path = Path(folder)
+    if path.is_dir() and (path / "tokenizer.json").is_file():
+        tok = load_tokenizer(path / "tokenizer.json")
+        tok.kind = "gpt2"
+        return tok
+    if path.is_dir():
+        vocab, merges = path / "vocab.json", path / "merges.txt"
+        for f in (vocab, merges):
+            if not f.is_file():
+                raise TokenizerError(f"{path} is not a GPT-2 tokenizer folder: {f.name} is missing")
+        try:
+            model = models.BPE.from_file(str(vocab), str(merges))
+        except Exception as e:  # the Rust side raises plain Exceptions
+            raise TokenizerError(f"cannot read GPT-2 files in {path}: {e}") from e
+        tok = _byte_level(model)
+        tok.add_special_tokens([AddedToken(EOS_TOKEN, special=True, normalized=False)])
+        return Tokenizer(tok, EOS_TOKEN, kind="gpt2")
+    if str(folder) == "gpt2":
+        from tokenizers import Tokenizer as HFTokenizer
+
+        try:
+            return Tokenizer(HFTokenizer.from_pretrained("gpt2"), EOS_TOKEN, kind="gpt2")
+        except Exception as e:
+            raise TokenizerError(
+                f"cannot download GPT-2's tokenizer ({e}); pass a folder with vocab.json and merges.txt"
+            ) from e
+    raise TokenizerError(f"no GPT-2 tokenizer folder at {path}")
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """tokenizer.json (or a folder holding it, or a folder with GPT-2's vocab.json + merges.txt)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    path = Path(path)
+    if path.is_dir():
+        if (path / "tokenizer.json").is_file():
+            path = path / "tokenizer.json"
+        elif (path / "vocab.json").is_file():
+            return gpt2_tokenizer(path)
+        else:
+            raise TokenizerError(f"{path} holds no tokenizer.json (nor vocab.json + merges.txt)")
+    if not path.is_file():
+        raise TokenizerError(f"no tokenizer at {path}")
+    try:
+        backend = HFTokenizer.from_file(str(path))
+    except Exception as e:
+        raise TokenizerError(f"cannot read tokenizer {path}: {e}") from e
+    vocab = backend.get_vocab(with_added_tokens=True)
+    kind = "gpt2" if vocab.get(EOS_TOKEN) == 50256 and backend.get_vocab_size() == 50257 else "bpe"
+    return Tokenizer(backend, EOS_TOKEN, kind=kind)
+
+
+def tokenizer_from_spec(spec: str | Path, texts: Iterable[str] | None = None, vocab_size: int = 4096) -> Tokenizer:
+    """`spec`: "bpe" (train on `texts`), "gpt2" or a path (tokenizer.json or a GPT-2 folder)."""
+    if str(spec) == "bpe":
+        if texts is None:
+            raise TokenizerError("training a BPE needs texts")
+        return train_bpe(texts, vocab_size)
+    if str(spec) == "gpt2":
+        return gpt2_tokenizer("gpt2")
+    return load_tokenizer(spec)
+
+
+def describe(tok: Tokenizer) -> dict:
+    return {"kind": tok.kind, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id, "sha256": tok.sha256()}
+
+
+__all__ = [
+    "EOS_TOKEN",
+    "Tokenizer",
+    "TokenizerError",
+    "describe",
+    "gpt2_tokenizer",
+    "load_tokenizer",
+    "train_bpe",
+    "tokenizer_from_spec",
+]
