@@ -173,25 +173,28 @@ def _group(name: str) -> str:
 
 def _reference(name: str | None, cfg: ModelConfig, items, attention: str) -> tuple[str, ModelConfig] | None:
     """The model a row is compared with: the preset with this attention in the row's group (mlra-2.9b/mha,
-    small-lm/6L-512d/mha), else the first such model among the requested ones."""
+    small-lm/6L-512d/mha) with the row's depth, preferably also its width; for a model that is not a preset,
+    the first such model among the requested ones."""
     if name is not None:
-        for n in families()[family_of(name)]:
-            if _group(n) == _group(name) and _attention_of(n) == attention:
-                return n, get_preset(n)
-        return None
+        group = [n for n in families()[family_of(name)] if _group(n) == _group(name)]
+        cands = [(n, _preset(n)) for n in group if _preset(n).attention == attention]
+        cands = [(n, c) for n, c in cands if c.n_layer == cfg.n_layer]
+        cands.sort(key=lambda nc: nc[1].d_model != cfg.d_model)  # stable: table order within a tier
+        return cands[0] if cands else None
     for label, c, _ in items:
         if c.attention == attention:
             return label, c
     return None
 
 
-_ATTN_CACHE: dict[str, str] = {}
+_PRESETS: dict[str, ModelConfig] = {}
 
 
-def _attention_of(name: str) -> str:
-    if name not in _ATTN_CACHE:
-        _ATTN_CACHE[name] = get_preset(name).attention
-    return _ATTN_CACHE[name]
+def _preset(name: str) -> ModelConfig:
+    """Built once per process, for reference lookups (never handed out to be mutated)."""
+    if name not in _PRESETS:
+        _PRESETS[name] = get_preset(name)
+    return _PRESETS[name]
 
 
 def _same_shape_mha(cfg: ModelConfig) -> ModelConfig:

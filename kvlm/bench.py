@@ -225,7 +225,7 @@ def measure_hardware(device: torch.device, mib: int = 512, repeats: int = 5) -> 
     copy_gbs = 2 * n * 4 / best(lambda: dst.copy_(src)) / 1e9
     read_gbs = n * 4 / best(lambda: src.sum()) / 1e9
     del src, dst
-    m = 2048 if device.type == "cpu" else 8192
+    m = 8192 if device.type == "cuda" else (2048 if mib >= 256 else 512)  # small buffers: a quick run
     a = torch.randn(m, m, device=device)
     b = torch.randn(m, m, device=device)
     a @ b  # warm-up

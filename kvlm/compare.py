@@ -218,6 +218,7 @@ def run_variant(variant: Variant, data, budget: Budget, seed: int, out_dir: Path
         seed=seed,
         eval_interval=max(1, (budget.steps or 200) // 8),
         eval_iters=4,
+        log_interval=max(1, (budget.steps or 200) // 20),
     )
     log(f"[{variant.label} seed {seed}] training {count_parameters(cfg)['total'] / 1e6:.2f} M parameters")
     t0 = time.perf_counter()
@@ -325,8 +326,8 @@ def aggregate(results: list[dict]) -> list[dict]:
                 ctx: statistics.fmean([r["decode_tokens_per_s"][ctx] for r in rs if ctx in r["decode_tokens_per_s"]])
                 for ctx in rs[0]["decode_tokens_per_s"]
             },
-            "distinct_2": statistics.fmean([r["repetition"].get("distinct_2", float("nan")) for r in rs]),
-            "repeated_4gram_rate": statistics.fmean([r["repetition"].get("repeated_4gram_rate", float("nan")) for r in rs]),
+            "distinct_2": _mean_of(r["repetition"].get("distinct_2") for r in rs),
+            "repeated_4gram_rate": _mean_of(r["repetition"].get("rep_4") for r in rs),
         }
         rows.append(row)
     mha = next((r for r in rows if r["attention"] == "mha"), rows[0])
@@ -336,6 +337,11 @@ def aggregate(results: list[dict]) -> list[dict]:
     _mark_noise(rows)
     _mark_pareto(rows)
     return rows
+
+
+def _mean_of(values) -> float | None:
+    vals = [v for v in values if v is not None]
+    return statistics.fmean(vals) if vals else None
 
 
 def _noise(row: dict) -> float:

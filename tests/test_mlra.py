@@ -121,7 +121,7 @@ def test_first_token_is_the_scaled_sum_of_block_values(attention, alpha_attn):
     _, m = _attn(attention, attn_out_scaling=True)
     x = torch.randn(3, 1, 64, dtype=torch.float64)
     c, _ = m.latent(x, m.rope.cos_sin(torch.zeros(3, 1, dtype=torch.long), x.dtype))  # (3, 4, 1, d_lat)
-    h, dh, bpg = m.cfg.n_head, m.cfg.head_dim, 4 if attention == "mlra-4" else 2
+    h, bpg = m.cfg.n_head, 4 if attention == "mlra-4" else 2
     heads = []
     for i in range(h):
         blocks = range(4) if bpg == 4 else (2 * (i // (h // 2)), 2 * (i // (h // 2)) + 1)

@@ -41,7 +41,9 @@ class GroupedTiedAttention(Attention):
 
     @classmethod
     def check_config(cls, cfg: ModelConfig) -> None:
-        require(cfg.n_head % cfg.n_kv_head == 0, f"n_head={cfg.n_head} not divisible by n_kv_head={cfg.n_kv_head}")
+        require(
+            cfg.n_head % cfg.n_kv_head == 0, f"n_head={cfg.n_head} not divisible by n_kv_head={cfg.n_kv_head}"
+        )
         require(
             cfg.rope_head_dim <= cfg.head_dim,
             f"gta's RoPE key is the last rope_head_dim dims of a head: rope_head_dim={cfg.rope_head_dim} "

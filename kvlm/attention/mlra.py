@@ -264,11 +264,15 @@ class LatentBlockAttention(LatentQueryMixin, Attention):
         mode = step.mode
         if naive_cache:
             if mode not in ("auto", "naive"):
-                raise CacheError(f"mode={mode!r} needs the compact cache; this one is naive (materialised K/V)")
+                raise CacheError(
+                    f"mode={mode!r} needs the compact cache; this one is naive (materialised K/V)"
+                )
             return "naive"
         if mode == "naive":
             if cache is not None:
-                raise CacheError("mode='naive' needs the materialised cache: model.new_cache(..., naive=True)")
+                raise CacheError(
+                    "mode='naive' needs the materialised cache: model.new_cache(..., naive=True)"
+                )
             return "expand"  # without a cache, naive and expand are the same computation
         if mode == "auto":
             return "absorbed" if cache is not None and step.n_new <= ABSORB_MAX_NEW else "expand"
