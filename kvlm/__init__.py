@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from kvlm.cache import CacheError, KVCache
 from kvlm.config import ConfigError, ModelConfig
+
+# eager, not lazy: the submodule kvlm.generate shares the function's name, and importing the submodule
+# anywhere (the CLI, compare) would otherwise leave `kvlm.generate` bound to the module, not the function
+from kvlm.generate import generate
 from kvlm.model import KVLM, build_model, count_parameters
 
 __version__ = "0.1.0"

@@ -35,7 +35,16 @@ from typing import Any
 from kvlm.config import ConfigError, ModelConfig
 from kvlm.presets import canonical_name, families, family_of, get_preset, match_ffn_dim, presets
 
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "float16": 2, "bfloat16": 2, "fp32": 4, "float32": 4, "fp8": 1, "int8": 1}
+DTYPE_BYTES = {
+    "bf16": 2,
+    "fp16": 2,
+    "float16": 2,
+    "bfloat16": 2,
+    "fp32": 4,
+    "float32": 4,
+    "fp8": 1,
+    "int8": 1,
+}
 SHARD_KINDS = ("heads", "blocks", "coefficients", "replicated")
 
 
@@ -108,7 +117,9 @@ def decode_flops(cfg: ModelConfig, layer_idx: int = 0) -> float | None:
     return None
 
 
-def arithmetic_intensity(cfg: ModelConfig, tp: int = 1, dtype_bytes: int = 2, layer_idx: int = 0) -> float | None:
+def arithmetic_intensity(
+    cfg: ModelConfig, tp: int = 1, dtype_bytes: int = 2, layer_idx: int = 0
+) -> float | None:
     """Decode FLOPs per byte loaded, per device at TP degree ``tp`` (mlra.md Table 2)."""
     flops = decode_flops(cfg, layer_idx)
     if flops is None:
@@ -199,8 +210,14 @@ def _preset(name: str) -> ModelConfig:
 
 def _same_shape_mha(cfg: ModelConfig) -> ModelConfig:
     return ModelConfig(
-        attention="mha", n_layer=cfg.n_layer, d_model=cfg.d_model, n_head=cfg.n_head, head_dim=cfg.head_dim,
-        vocab_size=cfg.vocab_size, max_seq_len=cfg.max_seq_len, arch=cfg.arch,
+        attention="mha",
+        n_layer=cfg.n_layer,
+        d_model=cfg.d_model,
+        n_head=cfg.n_head,
+        head_dim=cfg.head_dim,
+        vocab_size=cfg.vocab_size,
+        max_seq_len=cfg.max_seq_len,
+        arch=cfg.arch,
     )
 
 
@@ -241,9 +258,15 @@ def kv_table(
             "family": family_of(name) if name else None,
             "attention": cfg.attention,
             "shape": {
-                "n_layer": cfg.n_layer, "d_model": cfg.d_model, "n_head": cfg.n_head, "head_dim": cfg.head_dim,
-                "n_kv_head": cfg.n_kv_head, "kv_lora_rank": cfg.kv_lora_rank, "rope_head_dim": cfg.rope_head_dim,
-                "ffn_dim": cfg.ffn_dim, "vocab_size": cfg.vocab_size,
+                "n_layer": cfg.n_layer,
+                "d_model": cfg.d_model,
+                "n_head": cfg.n_head,
+                "head_dim": cfg.head_dim,
+                "n_kv_head": cfg.n_kv_head,
+                "kv_lora_rank": cfg.kv_lora_rank,
+                "rope_head_dim": cfg.rope_head_dim,
+                "ffn_dim": cfg.ffn_dim,
+                "vocab_size": cfg.vocab_size,
             },
             "cache": cache_tensors(cfg),
             "kv_elements_per_token": total,
@@ -322,8 +345,12 @@ def format_table(rows: list[dict[str, Any]], tps: Sequence[int], dtype: str = "b
     lines = [header]
     for r in rows:
         line = [
-            r["name"], r["attention"], f"{_short(r['kv_elements_per_token'])} ({_num(r['kv_elements_per_token'])})",
-            _num(r["kv_elements_per_layer"]), _bytes(r["kv_bytes_per_token"]), f"{100 * r['kv_reduction_vs_mha']:.1f}%",
+            r["name"],
+            r["attention"],
+            f"{_short(r['kv_elements_per_token'])} ({_num(r['kv_elements_per_token'])})",
+            _num(r["kv_elements_per_layer"]),
+            _bytes(r["kv_bytes_per_token"]),
+            f"{100 * r['kv_reduction_vs_mha']:.1f}%",
         ]
         if show_mla:
             v = r["kv_reduction_vs_mla"]
@@ -332,7 +359,9 @@ def format_table(rows: list[dict[str, Any]], tps: Sequence[int], dtype: str = "b
         line += [_g(r["arithmetic_intensity"][t]) for t in tps]
         if has_params:
             p = r["params"]
-            line += [_params(p["total"]), _params(p["activated"])] + ([_params(p["gate_embedding"])] if show_gate else [])
+            line += [_params(p["total"]), _params(p["activated"])] + (
+                [_params(p["gate_embedding"])] if show_gate else []
+            )
         lines.append(line)
     widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
     out = []
@@ -359,14 +388,22 @@ def format_table(rows: list[dict[str, Any]], tps: Sequence[int], dtype: str = "b
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
-        "--preset", action="append", default=[],
+        "--preset",
+        action="append",
+        default=[],
         help="a family (" + ", ".join(families()) + "), a name prefix (small-lm/6L-512d) or a preset name; "
         "repeat or comma-separate for several",
     )
-    p.add_argument("--config", action="append", default=[], help="a model config file (YAML/JSON); repeatable")
-    p.add_argument("--tp", default="1,2,4,8", help="tensor-parallel degrees, comma-separated (default 1,2,4,8)")
+    p.add_argument(
+        "--config", action="append", default=[], help="a model config file (YAML/JSON); repeatable"
+    )
+    p.add_argument(
+        "--tp", default="1,2,4,8", help="tensor-parallel degrees, comma-separated (default 1,2,4,8)"
+    )
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_BYTES), help="cache dtype (default bf16)")
-    p.add_argument("--match-ffn", action="store_true", help="match each model's FFN width to its group's MHA first")
+    p.add_argument(
+        "--match-ffn", action="store_true", help="match each model's FFN width to its group's MHA first"
+    )
     p.add_argument("--no-params", action="store_true", help="skip parameter counts (faster)")
     p.add_argument("--list", action="store_true", help="list the families and preset names, then exit")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
@@ -411,9 +448,21 @@ def main(args: argparse.Namespace) -> int:
     for name, why in skipped.items():
         print(f"skipped {name}: {why}")
     if not all_rows:
-        raise ConfigError("no model could be tabulated: " + "; ".join(f"{n}: {w}" for n, w in skipped.items()))
+        raise ConfigError(
+            "no model could be tabulated: " + "; ".join(f"{n}: {w}" for n, w in skipped.items())
+        )
     if args.json:
-        print(json.dumps({"tp": tps, "dtype": args.dtype, "dtype_bytes": dtype_bytes, "rows": all_rows, "skipped": skipped}))
+        print(
+            json.dumps(
+                {
+                    "tp": tps,
+                    "dtype": args.dtype,
+                    "dtype_bytes": dtype_bytes,
+                    "rows": all_rows,
+                    "skipped": skipped,
+                }
+            )
+        )
     return 0
 
 

@@ -22,21 +22,17 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only the module of ``verb`` is imported (``kvlm --help`` imports none), so a verb's
+    heavy or optional dependencies never slow down or break another verb."""
     parser = argparse.ArgumentParser(prog="kvlm", description="Language models with small KV caches.")
     parser.add_argument("--version", action="version", version=f"kvlm {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for verb, (module, help_) in COMMANDS.items():
-        p = sub.add_parser(verb, help=help_, description=help_)
+    for name, (module, help_) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_, description=help_)
         p.set_defaults(_module=module)
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name != module:
-                raise
-            p.set_defaults(_missing=True)
-            continue
-        mod.add_arguments(p)
+        if name == verb:
+            importlib.import_module(module).add_arguments(p)
     return parser
 
 
@@ -47,13 +43,12 @@ def _version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    verb = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(verb if verb in COMMANDS else None)
     args = parser.parse_args(argv)
     if not args.command:
         parser.print_help()
-        return 2
-    if getattr(args, "_missing", False):
-        print(f"kvlm {args.command}: not available in this build", file=sys.stderr)
         return 2
     mod = importlib.import_module(args._module)
     try:

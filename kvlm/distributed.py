@@ -323,21 +323,51 @@ def _shard_mha(attn, rank, world):
     return inner, {"query_heads": q, "kv_heads": kv}
 
 
-@sharder("mla")
+@sharder("mla", "eg-mla")
 def _shard_mla(attn, rank, world):
     """By query head, as FlashMLA: W^UQ, W^QR, W^UK, W^UV rows and W^O columns of the rank's heads; the
-    down-projections and the whole latent cache (c_kv, k_rope) on every rank (mlra.md Sec. 3.4)."""
+    down-projections and the whole latent cache (c_kv, k_rope) on every rank (mlra.md Sec. 3.4).
+
+    EG-MLA the same way, with the rank's heads' rows of W^UKV and W^UE (2 d_h per head, Listing 1) and the
+    gating table replicated (every head's gate needs the whole e, Eq. 4). Its LayerNorm (Eq. 5) spans all
+    heads of a token, so the shard's LayerNorm gets the token's mean and variance with two all-reduces of
+    one number per token (TPLayerNorm)."""
     cfg = attn.cfg
     dh, dr = cfg.head_dim, cfg.rope_head_dim
     q = _heads_of(cfg.n_head, rank, world)
     rules = _output_rules(q, dh)
     per_head = {"w_uk": dh, "w_uv": dh, "w_uq": dh, "w_qr": dr, "wq": dh + dr}
+    per_head.update({"w_ukv": 2 * dh, "emb_gate.w_ue": 2 * dh, "ln_emb": 2 * dh})  # eg-mla
     for w, width in per_head.items():
         rules[f"{w}.weight"] = ("rows", width, q)
         rules[f"{w}.bias"] = ("rows", width, q)
     inner = build_shard(type(attn), local_config(cfg, n_head=len(q)), attn.layer_idx, attn, slice_state(attn, rules, rank))
     inner.absorb_fold = attn.absorb_fold
+    if getattr(inner, "ln_emb", None) is not None:
+        inner.ln_emb = TPLayerNorm(inner.ln_emb, attn.ln_emb.normalized_shape[0])
     return inner, {"query_heads": q, "latent": "replicated"}
+
+
+class TPLayerNorm(nn.Module):
+    """LayerNorm over a vector split across ranks (each holds some heads' columns): the mean and the
+    variance of the whole vector come from all-reduced partial sums (two passes, as exact as LayerNorm's)."""
+
+    def __init__(self, local: nn.LayerNorm, full_width: int, group=None):
+        super().__init__()
+        self.weight = local.weight
+        self.bias = local.bias
+        self.eps = local.eps
+        self.full_width = full_width
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mean = all_reduce_sum(x.sum(-1, keepdim=True), self.group) / self.full_width
+        xc = x - mean
+        var = all_reduce_sum(xc.square().sum(-1, keepdim=True), self.group) / self.full_width
+        y = xc * torch.rsqrt(var + self.eps)
+        if self.weight is not None:
+            y = y * self.weight
+        return y + self.bias if self.bias is not None else y
 
 
 @sharder("mfa")
@@ -463,14 +493,46 @@ def shard_model(
             f"supported: {', '.join(sorted(SHARDERS))}"
         )
     if not inplace:
-        model = copy.deepcopy(model)
+        model = copy_model(model)
+    inners = []
     for block in model.layers:
-        inner, plan = SHARDERS[name](block.attn, rank, world)
+        inner, plan = shard_attention(block.attn, rank, world)
+        for m in inner.modules():  # collectives inside the shard (eg-mla's LayerNorm) use the same group
+            if isinstance(m, TPLayerNorm):
+                m.group = group
+        inners.append(inner)
         block.attn = TPAttention(inner, plan, group)
         if shard_ffn:
             block.mlp = TPMLP(_shard_mlp(block.mlp, model.cfg, rank, world), group)
+    tie = getattr(type(inners[0]), "tie_layers", None)
+    if tie is not None:  # e.g. eg-mla's layer groups sharing a gate: identical slices, shared again
+        tie(inners)
     model.tp = {"rank": rank, "world": world, "attention": name, "ffn": "megatron" if shard_ffn else "replicated"}
     return model
+
+
+def shard_attention(attn: nn.Module, rank: int, world: int) -> tuple[nn.Module, dict]:
+    """This rank's shard of one attention module (computes the rank's part of the layer output, before
+    the all-reduce) and its plan. Needs no process group: on the meta device it answers what each rank
+    would hold, e.g. for the paper-size configs of mlra.md Table 1."""
+    name = attn.cfg.attention
+    if name not in SHARDERS:
+        raise ConfigError(
+            f"tensor-parallel decoding is not implemented for attention {name!r}; "
+            f"supported: {', '.join(sorted(SHARDERS))}"
+        )
+    return SHARDERS[name](attn, rank, world)
+
+
+def copy_model(model: nn.Module) -> nn.Module:
+    """copy.deepcopy, keeping the attributes set on parameters (is_gate_embedding, ...): deepcopy of an
+    nn.Parameter drops them."""
+    new = copy.deepcopy(model)
+    for (_, p), (_, q) in zip(model.named_parameters(), new.named_parameters()):
+        for k, v in vars(p).items():
+            if not hasattr(q, k):
+                setattr(q, k, v)
+    return new
 
 
 def tp_plan(model: nn.Module) -> list[dict]:
@@ -570,7 +632,7 @@ def shard_gate_embeddings(
     if world < 1 or not 0 <= rank < world:
         raise ConfigError(f"rank {rank} is not in a world of {world}")
     if not inplace:
-        model = copy.deepcopy(model)
+        model = copy_model(model)
     tables = _gate_tables(model)
     if not tables:
         raise ConfigError(

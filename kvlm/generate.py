@@ -17,6 +17,7 @@ A stop token ends its sequence; it is not part of the returned ids (``stats["fin
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -145,7 +146,7 @@ def sample(
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """logits (B, V) -> next ids (B,). temperature 0: argmax; else filter (top-k, top-p) and draw."""
-    logits = logits.float()
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> fp32, fp64 stays
     if temperature == 0:
         return logits.argmax(dim=-1)
     logits = filter_logits(logits / temperature, top_k, top_p)
@@ -300,19 +301,23 @@ def main(args) -> int:
             sys.stdout.write(streamer.push(tokens[0]))
             sys.stdout.flush()
 
-    out, stats = generate(
-        model,
-        prompts,
-        args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        stop_tokens=None if args.no_stop or eos is None else [eos],
-        callback=on_step if stream else None,
-        mode=args.mode,
-        return_stats=True,
-    )
+    try:
+        out, stats = generate(
+            model,
+            prompts,
+            args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            stop_tokens=None if args.no_stop or eos is None else [eos],
+            callback=on_step if stream else None,
+            mode=args.mode,
+            return_stats=True,
+        )
+    except BrokenPipeError:  # stdout closed early (`kvlm generate ... | head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     texts = [tokenizer.decode(ids) for ids in out]
     if stream:
         sys.stdout.write(streamer.flush() + "\n")

@@ -76,7 +76,9 @@ def match_ffn_dim(
     # of a one-layer model (cheap to count even for the 2.9B presets).
     one = cfg.replace(n_layer=1, eg_group_size=1)
     a, b = multiple, 2 * multiple
-    slope = (_count(one.replace(ffn_dim=b))[key] - _count(one.replace(ffn_dim=a))[key]) // (b - a) * cfg.n_layer
+    slope = (
+        (_count(one.replace(ffn_dim=b))[key] - _count(one.replace(ffn_dim=a))[key]) // (b - a) * cfg.n_layer
+    )
     if slope <= 0:
         raise ConfigError("the FFN has no parameters to adjust")
     exact = cfg.ffn_dim + (target - here) / slope
@@ -149,7 +151,9 @@ def _mlra_29b(row: str) -> ModelConfig:
 # mlra.md Table 1 / Sec. 3.4: KV loading per device (Qwen3-32B / Kimi-K2 shapes)
 # --------------------------------------------------------------------------------------------------
 
-_TABLE1 = dict(arch="llama", n_layer=1, d_model=7168, n_head=64, head_dim=128, vocab_size=50304, max_seq_len=4096)
+_TABLE1 = dict(
+    arch="llama", n_layer=1, d_model=7168, n_head=64, head_dim=128, vocab_size=50304, max_seq_len=4096
+)
 _TABLE1_LATENT = dict(q_lora_rank=1536, kv_lora_rank=512, rope_head_dim=64)
 _TABLE1_ROWS: dict[str, tuple[str, dict]] = {
     "mha": ("mha", {}),
@@ -168,7 +172,11 @@ _TABLE1_ROWS: dict[str, tuple[str, dict]] = {
 
 def _table1(row: str) -> ModelConfig:
     attention, overrides = _TABLE1_ROWS[row]
-    return ModelConfig(attention=attention, note="mlra.md Table 1 (one layer, 64 heads, d_h = 128)", **{**_TABLE1, **overrides})
+    return ModelConfig(
+        attention=attention,
+        note="mlra.md Table 1 (one layer, 64 heads, d_h = 128)",
+        **{**_TABLE1, **overrides},
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -178,23 +186,51 @@ def _table1(row: str) -> ModelConfig:
 # nanoGPT: GPT-2 blocks (LayerNorm, GELU MLP of 4 d, learned positions), vocabulary padded to 50,304 (the
 # Embed Size column of Tables 2, 7 and 10 is 12 * 50,304 * kv_emb_dim, truncated to millions).
 _EG_BASE = dict(
-    arch="gpt2", n_layer=12, d_model=768, n_head=12, head_dim=64, vocab_size=50304, max_seq_len=1024, bias=False
+    arch="gpt2",
+    n_layer=12,
+    d_model=768,
+    n_head=12,
+    head_dim=64,
+    vocab_size=50304,
+    max_seq_len=1024,
+    bias=False,
 )
 # "qk_head_dim / v_head_dim = 64+64 / 64": NoPE 64 + decoupled RoPE 64; q_lora_rank 0 (plain W_Q)
 _EG_LATENT = dict(q_lora_rank=0, rope_head_dim=64)
 _EG_BASE_ROWS: dict[str, tuple[str, dict]] = {
     "mha-base": ("mha", {"rope": False}),
     "mla-base": ("mla", {**_EG_LATENT, "kv_lora_rank": 256}),
-    **{f"eg-mla-base-kv{kv}": ("eg-mla", {**_EG_LATENT, "kv_lora_rank": kv, "kv_emb_dim": 256}) for kv in (256, 128, 64, 16)},
-    **{f"eg-mla-base-emb{e}": ("eg-mla", {**_EG_LATENT, "kv_lora_rank": 64, "kv_emb_dim": e}) for e in (64, 128, 256, 512, 1024, 2048)},
+    **{
+        f"eg-mla-base-kv{kv}": ("eg-mla", {**_EG_LATENT, "kv_lora_rank": kv, "kv_emb_dim": 256})
+        for kv in (256, 128, 64, 16)
+    },
+    **{
+        f"eg-mla-base-emb{e}": ("eg-mla", {**_EG_LATENT, "kv_lora_rank": 64, "kv_emb_dim": e})
+        for e in (64, 128, 256, 512, 1024, 2048)
+    },
     # Table 3 ablations of EG-MLA-Base-kv256
-    "eg-mla-base-kv256-noln": ("eg-mla", {**_EG_LATENT, "kv_lora_rank": 256, "kv_emb_dim": 256, "eg_norm": False}),
-    "eg-mla-base-kv256-add": ("eg-mla", {**_EG_LATENT, "kv_lora_rank": 256, "kv_emb_dim": 256, "eg_op": "add"}),
+    "eg-mla-base-kv256-noln": (
+        "eg-mla",
+        {**_EG_LATENT, "kv_lora_rank": 256, "kv_emb_dim": 256, "eg_norm": False},
+    ),
+    "eg-mla-base-kv256-add": (
+        "eg-mla",
+        {**_EG_LATENT, "kv_lora_rank": 256, "kv_emb_dim": 256, "eg_op": "add"},
+    ),
 }
 
 # Large: 12 x 2048, XLarge: 24 x 2048; "128+64 / 128" -> 16 heads of 128 (+64 RoPE). Table 7's Large rows
 # are garbled (274M / 154M, 12/768/512); Tables 11-14 (951M / 961M, 309M embed) fix them at 12 x 2048.
-_EG_LARGE = dict(arch="gpt2", d_model=2048, n_head=16, head_dim=128, vocab_size=50304, bias=False, q_lora_rank=0, rope_head_dim=64)
+_EG_LARGE = dict(
+    arch="gpt2",
+    d_model=2048,
+    n_head=16,
+    head_dim=128,
+    vocab_size=50304,
+    bias=False,
+    q_lora_rank=0,
+    rope_head_dim=64,
+)
 _L = dict(n_layer=12, max_seq_len=2048)
 _XL = dict(n_layer=24, max_seq_len=4096)
 _EG_LARGE_ROWS: dict[str, tuple[str, dict]] = {
@@ -202,7 +238,10 @@ _EG_LARGE_ROWS: dict[str, tuple[str, dict]] = {
     "eg-mla-large-kv128emb512": ("eg-mla", {**_L, "kv_lora_rank": 128, "kv_emb_dim": 512}),
     "eg-mla-large-kv256emb512": ("eg-mla", {**_L, "kv_lora_rank": 256, "kv_emb_dim": 512}),
     **{
-        f"eg-mla-large-kv256emb512-lgz{g}": ("eg-mla", {**_L, "kv_lora_rank": 256, "kv_emb_dim": 512, "eg_group_size": g})
+        f"eg-mla-large-kv256emb512-lgz{g}": (
+            "eg-mla",
+            {**_L, "kv_lora_rank": 256, "kv_emb_dim": 512, "eg_group_size": g},
+        )
         for g in (2, 4, 6)
     },
     "mla-xlarge-kv512": ("mla", {**_XL, "kv_lora_rank": 512}),
@@ -212,12 +251,16 @@ _EG_LARGE_ROWS: dict[str, tuple[str, dict]] = {
 
 def _eg_base(row: str) -> ModelConfig:
     attention, overrides = _EG_BASE_ROWS[row]
-    return ModelConfig(attention=attention, note=f"eg-mla.md {row} (Tables 7, 10)", **{**_EG_BASE, **overrides})
+    return ModelConfig(
+        attention=attention, note=f"eg-mla.md {row} (Tables 7, 10)", **{**_EG_BASE, **overrides}
+    )
 
 
 def _eg_large(row: str) -> ModelConfig:
     attention, overrides = _EG_LARGE_ROWS[row]
-    return ModelConfig(attention=attention, note=f"eg-mla.md {row} (Tables 7, 11, 13)", **{**_EG_LARGE, **overrides})
+    return ModelConfig(
+        attention=attention, note=f"eg-mla.md {row} (Tables 7, 11, 13)", **{**_EG_LARGE, **overrides}
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -248,8 +291,15 @@ def _small_lm(config: str, variant: str) -> ModelConfig:
     n_layer, d = _SMALL_LM_CONFIGS[config]
     # GPT-2 tokenizer (50,257), tied softmax, context 512, dropout 0.1 (Sec. 4.1); nanoGPT keeps biases
     base = dict(
-        arch="gpt2", n_layer=n_layer, d_model=d, n_head=d // 64, vocab_size=50257, max_seq_len=512,
-        dropout=0.1, bias=True, tie_embeddings=True,
+        arch="gpt2",
+        n_layer=n_layer,
+        d_model=d,
+        n_head=d // 64,
+        vocab_size=50257,
+        max_seq_len=512,
+        dropout=0.1,
+        bias=True,
+        tie_embeddings=True,
     )
     note = f"mla-small-lm.md {config} (Table 1), {variant}"
     if variant == "mha":
@@ -257,8 +307,14 @@ def _small_lm(config: str, variant: str) -> ModelConfig:
     rope = variant.startswith("mla-rope-")
     r = int(variant.rsplit("-r", 1)[1])
     return ModelConfig(
-        attention="mla", kv_lora_rank=r, kv_latent="separate", q_lora_rank=0,
-        rope=rope, rope_head_dim=32 if rope else 0, note=note, **base,
+        attention="mla",
+        kv_lora_rank=r,
+        kv_latent="separate",
+        q_lora_rank=0,
+        rope=rope,
+        rope_head_dim=32 if rope else 0,
+        note=note,
+        **base,
     )
 
 

@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -63,7 +64,7 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # max global gradient norm; 0 = off
     eval_interval: int = 100  # steps between validation losses (and the last step)
-    eval_iters: int = 20  # validation batches per evaluation
+    eval_iters: int = 20  # validation batches (of batch_size windows) per evaluation
     eval_at_start: bool = False  # also evaluate the untrained model (step 0)
     log_interval: int = 10
     checkpoint_interval: int | None = None  # default: eval_interval; checkpoints need an out_dir
@@ -377,7 +378,8 @@ def _train(model_cfg, tcfg, data, out_dir, resume, progress, log, callback, adap
     model.to(device).train()
     optimizer = make_optimizer(model, tcfg, device)
     order = BatchOrder(data.train, tcfg.seq_len, tcfg.seed)
-    val_starts = eval_starts(data.val, tcfg.seq_len, tcfg.eval_iters * micro * info.world_size)
+    # eval_iters global batches of validation windows: the same windows whatever the ranks / accumulation
+    val_starts = eval_starts(data.val, tcfg.seq_len, tcfg.eval_iters * tcfg.batch_size)
     if not val_starts:
         say(f"warning: the validation split ({len(data.val)} tokens) is too short for seq_len {tcfg.seq_len}")
 
@@ -839,9 +841,13 @@ def main(args) -> int:
 
     out = Path(args.out)
     model_cfg, tcfg, explicit_vocab = configs_from_args(args)
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not (Path(args.data) / "meta.json").is_file():
+        raise ConfigError(f"under torchrun, --data must be a prepared folder (run `kvlm prepare` first): {args.data}")
     data = load_or_prepare(args.data, out / "data", log=print)
     if not explicit_vocab and model_cfg.vocab_size != data.vocab_size:
-        print(f"vocab_size {model_cfg.vocab_size} -> {data.vocab_size} (the data's tokenizer)")
+        if rank == 0:
+            print(f"vocab_size {model_cfg.vocab_size} -> {data.vocab_size} (the data's tokenizer)")
         model_cfg = model_cfg.replace(vocab_size=data.vocab_size)
     result = train(
         model_cfg,
@@ -853,7 +859,7 @@ def main(args) -> int:
         log=print,
         tensorboard=args.tensorboard,
     )
-    if args.json and (not dt.DistInfo().enabled):
+    if args.json and rank == 0:
         summary = {k: v for k, v in result.to_dict().items() if k not in ("losses", "history")}
         print(json.dumps(summary))
     return 0

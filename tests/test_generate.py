@@ -263,3 +263,14 @@ def test_cli_generate_errors(checkpoint, capsys, tmp_path):
     assert rc == 1 and "max_seq_len" in json.loads(out.strip().splitlines()[-1])["error"]
     rc, out, err = _cli(["generate", str(tmp_path / "nope"), "--prompt", "x"], capsys)
     assert rc == 1 and "no checkpoint" in err
+
+
+def test_public_name_is_the_function():
+    import importlib
+
+    import kvlm
+
+    importlib.import_module("kvlm.generate")  # as the CLI does: must not rebind kvlm.generate to the module
+    from kvlm import generate as g
+
+    assert kvlm.generate is generate and g is generate

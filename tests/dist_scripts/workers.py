@@ -1,4 +1,4 @@
-"""Process bodies for tests/test_distributed.py, started with torch.multiprocessing.spawn on gloo.
+"""Process bodies for tests/test_distributed.py, started with torch.multiprocessing on gloo.
 
 Every rank builds the same tiny float64 model from the same seed, computes the single-process reference
 itself (cheap at this size) and then the same thing through its shard; results go to <out>/<rank>.pt for
@@ -22,11 +22,18 @@ def free_port() -> int:
 
 
 def run(fn, world: int, out: str, *args) -> list[dict]:
-    """Spawn `world` ranks of fn(rank, world, port, out, *args); return each rank's saved result."""
+    """Start `world` ranks of fn(rank, world, *args) in a gloo group; return each rank's result.
+
+    Forked where the platform allows (a spawned rank re-imports torch: ~3 s each on a loaded 2-core machine,
+    a forked one starts at once). Forking after the parent used torch is safe here because every rank runs
+    one thread, so no OpenMP pool is entered in the child."""
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
     port = free_port()
-    mp.spawn(_entry, args=(fn, world, port, out, args), nprocs=world, join=True)
+    mp.start_processes(_entry, args=(fn, world, port, out, args), nprocs=world, join=True, start_method=method)
     return [torch.load(os.path.join(out, f"{r}.pt"), weights_only=False) for r in range(world)]
 
 
@@ -65,51 +72,123 @@ def _model(cfg):
 
 
 def _decode(model, tokens, mode="auto"):
-    """Prefill 5 tokens, a second prefill chunk of 3, then one token at a time: all logits."""
+    """Prefill 5 tokens, a second prefill chunk of 2, then one token at a time: all logits."""
     cache = model.new_cache(tokens.shape[0], tokens.shape[1], naive=(mode == "naive"))
-    parts = [model(tokens[:, :5], cache=cache, mode=mode), model(tokens[:, 5:8], cache=cache, mode=mode)]
-    for t in range(8, tokens.shape[1]):
+    parts = [model(tokens[:, :5], cache=cache, mode=mode), model(tokens[:, 5:7], cache=cache, mode=mode)]
+    for t in range(7, tokens.shape[1]):
         parts.append(model(tokens[:, t : t + 1], cache=cache, mode=mode))
     return torch.cat(parts, dim=1), cache
 
 
 def tp_cases(rank, world, cases):
-    """For each (attention, overrides): sharded vs single-process logits (full forward, incremental
-    decode in every mode), greedy generation, and what this rank's cache holds."""
+    """For each (attention, overrides, extra checks): sharded vs single-process logits (full forward and
+    incremental decode), greedy generation (ragged prompts), and what this rank's cache holds. Extra checks:
+    "modes" decodes in every attention mode, "sample" also compares seeded sampling."""
     from kvlm.distributed import kv_elements_per_token, shard_model, tp_plan
     from kvlm.generate import generate
 
     results = {}
-    for attention, overrides in cases:
+    for attention, overrides, extra in cases:
         key = f"{attention}{overrides}"
         try:
             cfg = _tiny(attention, overrides)
             model = _model(cfg)
             tp = shard_model(model, rank, world)
             g = torch.Generator().manual_seed(1)
-            tokens = torch.randint(0, cfg.vocab_size, (2, 12), generator=g)
-            r = {"plan": tp_plan(tp)}
+            tokens = torch.randint(0, cfg.vocab_size, (2, 11), generator=g)
+            r = {"plan": tp_plan(tp), "decode_err": {}}
             with torch.no_grad():
-                ref_full = model(tokens)
-                r["full_err"] = (tp(tokens) - ref_full).abs().max().item()
-                modes = ["auto"] + (["naive", "absorbed", "expand"] if model.layers[0].attn.has_naive_cache else [])
-                r["decode_err"] = {}
+                r["full_err"] = (tp(tokens) - model(tokens)).abs().max().item()
+                modes = ["auto"]
+                if "modes" in extra and model.layers[0].attn.has_naive_cache:
+                    modes += ["naive", "absorbed", "expand"]
                 for mode in modes:
                     ref, _ = _decode(model, tokens, mode)
                     got, cache = _decode(tp, tokens, mode)
                     r["decode_err"][mode] = (got - ref).abs().max().item()
                     if mode == "auto":
-                        r["logits"] = got  # to check every rank got the same bits
+                        r["logits"] = got  # every rank must hold the same bits
                         r["cache_elements_per_token"] = cache.elements_per_token
                         r["cache_nbytes"] = cache.nbytes
-                        r["cache_shape"] = {k: tuple(v.shape) for k, v in cache.layers[0].items()}
-            prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
-            r["greedy_ref"] = generate(model, prompts, 6)
-            r["greedy_tp"] = generate(tp, prompts, 6)
-            r["sampled_tp"] = generate(tp, prompts, 6, temperature=1.0, top_k=20, seed=3)
-            r["sampled_ref"] = generate(model, prompts, 6, temperature=1.0, top_k=20, seed=3)
+                        r["cache_tokens"] = cache.batch_size * cache.max_seq_len
+            prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]  # ragged: left padding
+            r["greedy"] = (generate(model, prompts, 5), generate(tp, prompts, 5))
+            if "sample" in extra:
+                kw = dict(temperature=1.0, top_k=20, seed=3)
+                r["sampled"] = (generate(model, prompts, 5, **kw), generate(tp, prompts, 5, **kw))
             r["kv_elements_per_token"] = kv_elements_per_token(tp)
             results[key] = r
         except Exception as e:  # reported per case by the parent
             results[key] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
     return results
+
+
+def ep_cases(rank, world, cases):
+    """Embedding parallelism: for each eg-mla config, one DDP training step of the sharded model on this
+    rank's part of a global batch vs the unsharded model on the whole batch (same loss, same gradients);
+    and the sharded lookup alone with a different number of tokens on every rank."""
+
+    import torch.nn.functional as F
+
+    from kvlm.distributed import ShardedGateEmbedding, copy_model, parameter_bytes, shard_gate_embeddings, wrap_ddp
+
+    results = {}
+    for attention, overrides in cases:
+        key = f"{attention}{overrides}"
+        try:
+            cfg = _tiny(attention, overrides)
+            model = _model(cfg).train()
+            B, T = 2, 10
+            g = torch.Generator().manual_seed(2)
+            tokens = torch.randint(0, cfg.vocab_size, (world * B, T + 1), generator=g)
+            ref = copy_model(model)
+            logits = ref(tokens[:, :-1])
+            ref_loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+            ref_loss.backward()
+            ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+
+            ep = shard_gate_embeddings(copy_model(model), rank, world)
+            ddp = wrap_ddp(ep)
+            mine = tokens[rank * B : (rank + 1) * B]
+            loss = F.cross_entropy(ddp(mine[:, :-1]).flatten(0, 1), mine[:, 1:].flatten())
+            loss.backward()
+            mean_loss = loss.detach().clone()
+            dist.all_reduce(mean_loss)
+            r = {"loss_err": abs(mean_loss.item() / world - ref_loss.item()), "grad_err": {}}
+            for n, p in ep.named_parameters():
+                want = ref_grads[n]
+                if getattr(p, "is_sharded_gate_embedding", False):
+                    emb = ep.get_submodule(n.rsplit(".", 1)[0])
+                    want = want[:, emb.bounds[rank] : emb.bounds[rank + 1]]
+                    r.setdefault("sharded", []).append((n, tuple(p.shape)))
+                r["grad_err"][n] = (p.grad - want).abs().max().item()
+            r["param_bytes"] = parameter_bytes(ep)
+            r["param_bytes_unsharded"] = parameter_bytes(model)
+            r["gate_bytes"] = sum(
+                p.numel() * p.element_size() for p in ep.parameters() if getattr(p, "is_gate_embedding", False)
+            )
+            results[key] = r
+        except Exception as e:
+            results[key] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
+
+    # ragged: rank r looks up 3 + 2 r ids; every rank must get the full-width rows of its own ids
+    table = torch.randn(11, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    bounds = [0] + [len(c) for c in torch.tensor_split(torch.arange(7), world)]
+    bounds = [sum(bounds[: i + 1]) for i in range(len(bounds))]
+    emb = ShardedGateEmbedding(table, bounds, rank, average_grads=False)
+    ids = torch.randint(0, 11, (1, 3 + 2 * rank), generator=torch.Generator().manual_seed(10 + rank))
+    out = emb(ids)
+    out.pow(2).sum().backward()  # d/dW of sum over all ranks' ids of |row|^2, restricted to my columns
+    all_ids = [torch.randint(0, 11, (1, 3 + 2 * s), generator=torch.Generator().manual_seed(10 + s)) for s in range(world)]
+    want_grad = torch.zeros_like(table)
+    for s_ids in all_ids:
+        want_grad.index_add_(0, s_ids.flatten(), 2 * table[s_ids.flatten()])
+    results["ragged"] = {
+        "out_err": (out - table[ids]).abs().max().item(),
+        "grad_err": (emb.weight.grad - want_grad[:, bounds[rank] : bounds[rank + 1]]).abs().max().item(),
+    }
+    return results
+
+
+def all_checks(rank, world, tp, ep):
+    return {"tp": tp_cases(rank, world, tp), "ep": ep_cases(rank, world, ep)}
