@@ -511,7 +511,9 @@ def prepare(
                 log(f"{out_dir}: already prepared with the same arguments; reusing it")
                 return existing
         if out_dir.exists() and any(out_dir.iterdir()) and not force:
-            raise DataError(f"{out_dir} exists and holds something else; pass force=True (--force) to replace it")
+            raise DataError(
+                f"{out_dir} exists and holds something else; pass force=True (--force) to replace it"
+            )
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     else:
@@ -690,7 +692,8 @@ def _prepare_into(
         "dtype": dtype.name,
         "eos_id": tok.eos_id,
         "splits": {
-            split: {"tokens": w.tokens, "documents": w.documents, "shards": w.shards} for split, w in writers.items()
+            split: {"tokens": w.tokens, "documents": w.documents, "shards": w.shards}
+            for split, w in writers.items()
         },
         "sources": sources_meta,
         "seconds": round(time.time() - t0, 2),
@@ -704,7 +707,10 @@ def _prepare_into(
 
 
 def load_or_prepare(
-    source: str | Path | PreparedData, out_dir: str | Path | None = None, log: Callable[[str], None] | None = None, **kw
+    source: str | Path | PreparedData,
+    out_dir: str | Path | None = None,
+    log: Callable[[str], None] | None = None,
+    **kw,
 ) -> PreparedData:
     """A prepared data folder is opened; anything else ('synthetic', text files, hf:NAME) is prepared
     into out_dir with `prepare` (reused when it was prepared with the same arguments)."""
@@ -728,7 +734,9 @@ def add_arguments(p) -> None:
         "hf:NAME or 'tinystories' (default: synthetic)",
     )
     p.add_argument("--out", "-o", required=True, help="output folder")
-    p.add_argument("--val", nargs="+", help="validation sources (default: the sources' val files or every N-th doc)")
+    p.add_argument(
+        "--val", nargs="+", help="validation sources (default: the sources' val files or every N-th doc)"
+    )
     p.add_argument(
         "--tokenizer",
         default="bpe",
@@ -739,7 +747,9 @@ def add_arguments(p) -> None:
     p.add_argument("--val-tokens", type=int, help="cap on validation tokens")
     p.add_argument("--val-fraction", type=float, default=0.05, help="share of documents for validation")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--text-field", default="text", help="field of .jsonl / parquet / HF rows holding the text")
+    p.add_argument(
+        "--text-field", default="text", help="field of .jsonl / parquet / HF rows holding the text"
+    )
     p.add_argument("--force", action="store_true", help="replace an existing output folder")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")

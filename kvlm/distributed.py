@@ -28,6 +28,7 @@ Run ``python -m kvlm.distributed --help`` for the runnable entries (under torchr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -115,20 +116,22 @@ def all_reduce_sum(x: torch.Tensor, group=None) -> torch.Tensor:
 
 class _AllToAll(torch.autograd.Function):
     """all_to_all_single of a flat tensor with uneven splits; the backward sends gradients back the
-    way the values came."""
+    way the values came. `exchange` (a GateExchange) gives the group and times the transfers."""
 
     @staticmethod
-    def forward(ctx, x, out_splits, in_splits, group):
-        ctx.splits = (out_splits, in_splits, group)
+    def forward(ctx, x, out_splits, in_splits, exchange):
+        ctx.splits = (out_splits, in_splits, exchange)
         out = x.new_empty(sum(out_splits))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        with exchange.timed(x.device):
+            dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=exchange.group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        out_splits, in_splits, group = ctx.splits
+        out_splits, in_splits, exchange = ctx.splits
         back = grad.new_empty(sum(in_splits))
-        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=group)
+        with exchange.timed(grad.device):
+            dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=exchange.group)
         return back, None, None, None
 
 
@@ -254,7 +257,9 @@ def _shard_mlp(mlp: nn.Module, cfg, rank: int, world: int) -> nn.Module:
     for name in ("w1", "w2"):
         rules[f"{name}.weight"] = ("rows", 1, keep)
         rules[f"{name}.bias"] = ("rows", 1, keep)
-    return build_shard(type(mlp), local_config(cfg, ffn_dim=len(keep)), None, mlp, slice_state(mlp, rules, rank))
+    return build_shard(
+        type(mlp), local_config(cfg, ffn_dim=len(keep)), None, mlp, slice_state(mlp, rules, rank)
+    )
 
 
 # --- per-mechanism sharders ------------------------------------------------------------------------
@@ -291,7 +296,9 @@ def _output_rules(heads: list[int], dv: int) -> dict[str, Rule]:
     }
 
 
-def _group_split(h: int, g: int, rank: int, world: int, what: str = "n_kv_head") -> tuple[list[int], list[int]]:
+def _group_split(
+    h: int, g: int, rank: int, world: int, what: str = "n_kv_head"
+) -> tuple[list[int], list[int]]:
     """Query heads and KV heads (groups) of `rank` when h query heads share g KV heads (head i reads
     group i // (h/g)). Up to g ranks split the groups; beyond, each group is replicated on world/g ranks
     that split its query heads."""
@@ -341,7 +348,9 @@ def _shard_mla(attn, rank, world):
     for w, width in per_head.items():
         rules[f"{w}.weight"] = ("rows", width, q)
         rules[f"{w}.bias"] = ("rows", width, q)
-    inner = build_shard(type(attn), local_config(cfg, n_head=len(q)), attn.layer_idx, attn, slice_state(attn, rules, rank))
+    inner = build_shard(
+        type(attn), local_config(cfg, n_head=len(q)), attn.layer_idx, attn, slice_state(attn, rules, rank)
+    )
     inner.absorb_fold = attn.absorb_fold
     if getattr(inner, "ln_emb", None) is not None:
         inner.ln_emb = TPLayerNorm(inner.ln_emb, attn.ln_emb.normalized_shape[0])
@@ -380,7 +389,9 @@ def _shard_mfa(attn, rank, world):
     for w in ("wq", "wq_b"):
         rules[f"{w}.weight"] = ("rows", dh, q)
         rules[f"{w}.bias"] = ("rows", dh, q)
-    inner = build_shard(type(attn), local_config(cfg, n_head=len(q)), attn.layer_idx, attn, slice_state(attn, rules, rank))
+    inner = build_shard(
+        type(attn), local_config(cfg, n_head=len(q)), attn.layer_idx, attn, slice_state(attn, rules, rank)
+    )
     return inner, {"query_heads": q, "kv_heads": "replicated"}
 
 
@@ -407,7 +418,9 @@ def _shard_tpa(attn, rank, world):
     q = _heads_of(h, rank, world)
     rows = [p * h + i for p in range(bq + 2 * bkv) for i in q]  # [A^Q (bq, h); A^K (bkv, h); A^V (bkv, h)]
     rules = {"w_a.weight": ("rows", 1, rows), "w_a.bias": ("rows", 1, rows), **_output_rules(q, dh)}
-    inner = build_shard(type(attn), local_config(cfg, n_head=len(q)), attn.layer_idx, attn, slice_state(attn, rules, rank))
+    inner = build_shard(
+        type(attn), local_config(cfg, n_head=len(q)), attn.layer_idx, attn, slice_state(attn, rules, rank)
+    )
     return inner, {"query_heads": q, "coefficients": q, "factors": "replicated"}
 
 
@@ -419,17 +432,21 @@ def _shard_latent_blocks(attn, rank, world):
     linear in W^O, so the all-reduce completes the branch sum of Eqs. 5-6. Beyond one block per rank (degree >
     n_blocks) a block is replicated on world / n_blocks ranks that split its heads."""
     cfg = attn.cfg
-    G, bpg, nb, r, d_lat = attn.G, attn.bpg, attn.n_blocks, attn.r, attn.d_lat
+    bpg, nb, r, d_lat = attn.bpg, attn.n_blocks, attn.r, attn.d_lat
     dh, dr, dc = cfg.head_dim, cfg.rope_head_dim, cfg.kv_lora_rank
     if world <= nb:
         if nb % world:
-            raise ConfigError(f"{cfg.attention} has {nb} latent blocks, not divisible by the tensor-parallel degree {world}")
+            raise ConfigError(
+                f"{cfg.attention} has {nb} latent blocks, not divisible by the tensor-parallel degree {world}"
+            )
         k = nb // world
         blocks = _rng(rank * k, k)
         within = list(range(r))  # every head of each block
         if k >= bpg:  # whole head groups
             if k % bpg:
-                raise ConfigError(f"{cfg.attention}: {k} blocks per rank would split a head group of {bpg} blocks")
+                raise ConfigError(
+                    f"{cfg.attention}: {k} blocks per rank would split a head group of {bpg} blocks"
+                )
             G_loc, bpg_loc = k // bpg, bpg
         else:  # some branches of one head group
             G_loc, bpg_loc = 1, k
@@ -458,7 +475,9 @@ def _shard_latent_blocks(attn, rank, world):
     rules["kv_norm.weight"] = ("rows", 1, blocks)
     for w in ("w_uk", "w_uv"):
         rules[w] = lambda t: t[bl.to(t.device)][:, wi.to(t.device)]
-    shard_cls = type(f"{type(attn).__name__}Shard", (type(attn),), {"n_groups": G_loc, "blocks_per_group": bpg_loc})
+    shard_cls = type(
+        f"{type(attn).__name__}Shard", (type(attn),), {"n_groups": G_loc, "blocks_per_group": bpg_loc}
+    )
     local = local_config(cfg, n_head=G_loc * len(within), kv_lora_rank=len(blocks) * d_lat)
     inner = build_shard(shard_cls, local, attn.layer_idx, attn, slice_state(attn, rules, rank))
     inner.alpha_attn = attn.alpha_attn  # Eq. 10 scales by the full branch count, not the rank's
@@ -507,7 +526,12 @@ def shard_model(
     tie = getattr(type(inners[0]), "tie_layers", None)
     if tie is not None:  # e.g. eg-mla's layer groups sharing a gate: identical slices, shared again
         tie(inners)
-    model.tp = {"rank": rank, "world": world, "attention": name, "ffn": "megatron" if shard_ffn else "replicated"}
+    model.tp = {
+        "rank": rank,
+        "world": world,
+        "attention": name,
+        "ffn": "megatron" if shard_ffn else "replicated",
+    }
     return model
 
 
@@ -564,6 +588,50 @@ def parameter_bytes(model: nn.Module) -> int:
 # =====================================================================================================
 
 
+class GateExchange:
+    """What the sharded gate tables of one model share: the process group, the token ids of the current call
+    gathered from every rank (all layers look up the same ids, so they are gathered once per model call) and
+    the time spent communicating (``timing = True``; synchronises CUDA around each collective)."""
+
+    def __init__(self, rank: int, world: int, group=None):
+        self.rank, self.world, self.group = rank, world, group
+        self.timing = False
+        self.comm_seconds = 0.0
+        self._memo: tuple | None = None  # (ids, version, counts, every)
+
+    @contextlib.contextmanager
+    def timed(self, device: torch.device):
+        if not self.timing:
+            yield
+            return
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        yield
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        self.comm_seconds += time.perf_counter() - t0
+
+    def gather_ids(self, ids: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+        """(number of ids per rank, every rank's ids concatenated in rank order)."""
+        memo = self._memo
+        if memo is not None and memo[0] is ids and memo[1] == ids._version:
+            return memo[2], memo[3]
+        flat = ids.reshape(-1)
+        with self.timed(flat.device):
+            n = torch.tensor([flat.numel()], device=flat.device)
+            counts = [torch.zeros_like(n) for _ in range(self.world)]
+            dist.all_gather(counts, n, group=self.group)
+            counts = [int(c) for c in counts]
+            padded = torch.zeros(max(counts), dtype=flat.dtype, device=flat.device)
+            padded[: flat.numel()] = flat
+            gathered = [torch.empty_like(padded) for _ in range(self.world)]
+            dist.all_gather(gathered, padded, group=self.group)
+        every = torch.cat([g[:c] for g, c in zip(gathered, counts)])
+        self._memo = (ids, ids._version, counts, every)
+        return counts, every
+
+
 class ShardedGateEmbedding(nn.Module):
     """Columns [lo, hi) of a gating embedding table (Eq. 9: d_local = d_kv / W) on this rank.
 
@@ -573,15 +641,14 @@ class ShardedGateEmbedding(nn.Module):
     so the table's gradient is the sum over every rank's tokens; with average_grads it is divided by the
     world size, the mean that DDP applies to the replicated parameters."""
 
-    def __init__(self, table: torch.Tensor, bounds: list[int], rank: int, group=None, average_grads=True):
+    def __init__(self, table: torch.Tensor, bounds: list[int], exchange: GateExchange, average_grads=True):
         super().__init__()
         self.bounds = bounds  # column boundaries of the ranks: rank r holds [bounds[r], bounds[r+1])
-        self.rank = rank
-        self.world = len(bounds) - 1
-        self.group = group
+        self.exchange = exchange
+        self.rank, self.world = exchange.rank, exchange.world
         self.num_embeddings = table.shape[0]
         self.embedding_dim = bounds[-1]
-        self.weight = nn.Parameter(table[:, bounds[rank] : bounds[rank + 1]].detach().clone())
+        self.weight = nn.Parameter(table[:, bounds[self.rank] : bounds[self.rank + 1]].detach().clone())
         self.weight.is_gate_embedding = True
         self.weight.is_sharded_gate_embedding = True
         if average_grads and self.world > 1:
@@ -592,26 +659,15 @@ class ShardedGateEmbedding(nn.Module):
         return f"{self.num_embeddings}, columns [{lo}, {hi}) of {self.embedding_dim}, rank {self.rank}/{self.world}"
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        W, group = self.world, self.group
-        flat = ids.reshape(-1)
-        n = torch.tensor([flat.numel()], device=flat.device)
-        counts = [torch.zeros_like(n) for _ in range(W)]
-        dist.all_gather(counts, n, group=group)
-        counts = [int(c) for c in counts]
-        longest = max(counts)
-        padded = torch.zeros(longest, dtype=flat.dtype, device=flat.device)
-        padded[: flat.numel()] = flat
-        gathered = [torch.empty_like(padded) for _ in range(W)]
-        dist.all_gather(gathered, padded, group=group)
-        every = torch.cat([g[:c] for g, c in zip(gathered, counts)])
+        counts, every = self.exchange.gather_ids(ids)
+        n = ids.numel()
         mine = nn.functional.embedding(every, self.weight)  # (sum counts, d_local), Eq. 10
-        widths = [self.bounds[r + 1] - self.bounds[r] for r in range(W)]
-        d_local = widths[self.rank]
-        in_splits = [c * d_local for c in counts]  # to rank j: my columns of j's tokens
-        out_splits = [flat.numel() * w for w in widths]  # from rank s: s's columns of my tokens
-        recv = _AllToAll.apply(mine.reshape(-1), out_splits, in_splits, group)
-        parts = [p.view(flat.numel(), w) for p, w in zip(recv.split(out_splits), widths)]
-        return torch.cat(parts, dim=-1).view(*ids.shape, self.embedding_dim)
+        widths = [self.bounds[r + 1] - self.bounds[r] for r in range(self.world)]
+        in_splits = [c * widths[self.rank] for c in counts]  # to rank j: my columns of j's tokens
+        out_splits = [n * w for w in widths]  # from rank s: s's columns of my tokens
+        recv = _AllToAll.apply(mine.reshape(-1), out_splits, in_splits, self.exchange)
+        parts = [p.view(n, w) for p, w in zip(recv.split(out_splits), widths)]
+        return torch.cat(parts, dim=-1).view(*ids.shape, self.embedding_dim)  # Eq. 11's concatenation
 
 
 def _gate_tables(model: nn.Module) -> list[tuple[nn.Module, str, nn.Embedding]]:
@@ -641,6 +697,7 @@ def shard_gate_embeddings(
     if world == 1:
         return model
     done: dict[int, ShardedGateEmbedding] = {}
+    exchange = GateExchange(rank, world, group)
     for parent, attr, emb in tables:
         if id(emb) not in done:
             d = emb.embedding_dim
@@ -650,7 +707,7 @@ def shard_gate_embeddings(
             bounds = [0]
             for s in sizes:
                 bounds.append(bounds[-1] + s)
-            done[id(emb)] = ShardedGateEmbedding(emb.weight.data, bounds, rank, group, average_grads)
+            done[id(emb)] = ShardedGateEmbedding(emb.weight.data, bounds, exchange, average_grads)
         setattr(parent, attr, done[id(emb)])
     return model
 
@@ -670,3 +727,460 @@ def wrap_ddp(model: nn.Module, device: torch.device | None = None, **kw) -> nn.M
     if device is not None and device.type == "cuda":
         kw.setdefault("device_ids", [device.index])
     return DDP(model, **kw)
+
+
+# =====================================================================================================
+# Command-line helpers: `kvlm generate --tp N` / `kvlm bench --tp N` (under torchrun) and the entries of
+# `python -m kvlm.distributed` (tp-bench, embedding-parallel-bench, embedding-parallel-table)
+# =====================================================================================================
+
+
+def tp_setup(tp: int, device: str | None = None) -> TPContext:
+    """For a command's --tp N: join torchrun's group (a clear error when the launch has another number of
+    processes) and silence stdout on ranks other than 0, so that the command prints its result once."""
+    ctx = init_tp(device=None if device in (None, "auto") else device)
+    require_world(tp, ctx)
+    if ctx.rank != 0:
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (lives as long as the process)
+    return ctx
+
+
+def _gather(obj, ctx: TPContext) -> list:
+    if ctx.world == 1:
+        return [obj]
+    out = [None] * ctx.world
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.inference_mode()
+def check_against_single_process(
+    model: nn.Module, tp_model: nn.Module, steps: int = 8, batch: int = 2
+) -> dict:
+    """Greedy decoding with the full model and with this rank's shard from the same prompt: the largest
+    |logit difference| and whether every step picked the same token."""
+    cfg = model.cfg
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, cfg.vocab_size, (batch, 8), generator=gen).to(model.embed.weight.device)
+    out = []
+    for m in (model, tp_model):
+        cache = m.new_cache(batch, 8 + steps)
+        logits = [m(prompt, cache=cache, last_only=True)]
+        for _ in range(steps - 1):
+            logits.append(m(logits[-1].argmax(-1), cache=cache))
+        out.append(torch.cat(logits, dim=1).float())
+    return {
+        "max_logit_diff": (out[0] - out[1]).abs().max().item(),
+        "same_tokens": bool(torch.equal(out[0].argmax(-1), out[1].argmax(-1))),
+    }
+
+
+def tp_bench(
+    variants,
+    ctx: TPContext,
+    batch=(1,),
+    context=(512,),
+    prompt=(128,),
+    steps=8,
+    warmup=2,
+    repeats=3,
+    dtype=torch.float32,
+    seed=0,
+    check=False,
+    log=print,
+) -> list[dict]:
+    """Prefill and decode timings of every (label, config, modes) at this launch's TP degree, and what each
+    rank holds: its KV bytes per token (which must equal ``kvlm kv-table --tp N``'s per-device column), its
+    weight bytes, its plan. Every rank runs the same calls; rank 0 gets every rank's rows."""
+    from kvlm.accounting import per_device_elements
+    from kvlm.bench import bench_decode, bench_prefill
+    from kvlm.model import build_model
+
+    rows = []
+    elt = torch.empty((), dtype=dtype).element_size()
+    for label, cfg, modes in variants:
+        need = max(max(context) + warmup + steps, max(prompt), 16)
+        if cfg.max_seq_len < need:
+            cfg = cfg.replace(max_seq_len=need)
+        torch.manual_seed(seed)  # the same weights on every rank
+        model = build_model(cfg, device=ctx.device, dtype=dtype).eval()
+        full = model if check else None
+        model = shard_model(model, ctx.rank, ctx.world, inplace=not check)
+        row = {
+            "variant": label,
+            "attention": cfg.attention,
+            "tp": ctx.world,
+            "rank": ctx.rank,
+            "plan": tp_plan(model)[0],
+            "kv_bytes_per_token": kv_bytes_per_token(model, elt),
+            "kv_table_bytes_per_token": round(
+                sum(per_device_elements(cfg, ctx.world, i) for i in range(cfg.n_layer)) * elt
+            ),
+            "parameter_bytes": parameter_bytes(model),
+            "prefill": [],
+            "decode": [],
+        }
+        if check:
+            row["check"] = check_against_single_process(full, model)
+            del full
+        for mode in modes:
+            for b in batch:
+                for p in prompt:
+                    r = bench_prefill(model, b, p, "naive" if mode == "naive" else "auto", 1, repeats)
+                    row["prefill"].append({"mode": mode, "batch": b, "prompt": p, **r})
+                for c in context:
+                    r = bench_decode(model, b, c, mode, warmup, steps)
+                    row["decode"].append({"mode": mode, "batch": b, "context": c, **r})
+        rows.extend(r for r in _gather(row, ctx))
+        if ctx.is_main:
+            _log_tp_rows(rows[-ctx.world :], log)
+        del model
+    return rows
+
+
+def _log_tp_rows(rows: list[dict], log) -> None:
+    r0 = rows[0]
+    log(
+        f"{r0['variant']} (tp={r0['tp']}, {r0['attention']}): KV bytes/token per rank "
+        f"{[r['kv_bytes_per_token'] for r in rows]} (kv-table per device {r0['kv_table_bytes_per_token']}), "
+        f"weights per rank {[round(r['parameter_bytes'] / 2**20, 1) for r in rows]} MiB"
+    )
+    if "check" in r0:
+        log(
+            f"  vs one process: max |logit diff| {max(r['check']['max_logit_diff'] for r in rows):.2e}, "
+            f"same greedy tokens: {all(r['check']['same_tokens'] for r in rows)}"
+        )
+    for i, d in enumerate(r0["decode"]):
+        slowest = max(r["decode"][i]["median_ms"] for r in rows)
+        log(
+            f"  decode {d['mode']:8s} B={d['batch']:<3d} L={d['context']:<6d} {slowest:9.2f} ms/token "
+            f"({d['batch'] / slowest * 1e3:.1f} tokens/s)"
+        )
+    for i, p in enumerate(r0["prefill"]):
+        slowest = max(r["prefill"][i]["median_ms"] for r in rows)
+        log(f"  prefill {p['mode']:7s} B={p['batch']:<3d} T={p['prompt']:<6d} {slowest:9.2f} ms")
+
+
+def bench_main(args, plan) -> int:
+    """`kvlm bench --tp N` (kvlm.bench hands its parsed plan over): every variant sharded N ways."""
+    ctx = tp_setup(args.tp, str(plan.device) if plan.device.type == "cpu" else None)
+    if plan.device.type == "cpu" and args.threads is None:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.world))
+    log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
+    if ctx.is_main:
+        log(f"tensor-parallel bench: {ctx.world} ranks on {ctx.device} ({dist.get_backend()})")
+    variants = [(v.label, v.cfg, v.modes) for v in plan.variants]
+    rows = tp_bench(
+        variants,
+        ctx,
+        plan.batch,
+        plan.context,
+        plan.prompt,
+        plan.steps,
+        plan.warmup,
+        plan.repeats,
+        plan.dtype,
+        plan.seed,
+        check=getattr(args, "check", False),
+        log=log,
+    )
+    result = {"kvlm_bench": 1, "tp": ctx.world, "device": str(ctx.device), "rows": rows}
+    if args.out and ctx.is_main:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.json:
+        print(json.dumps(result))
+    dist.barrier()
+    return 0
+
+
+# --- embedding parallelism: the Table 6 comparison ----------------------------------------------------
+
+
+def embedding_parallel_bench(
+    cfg, mode: str, ctx: TPContext, batch=4, seq=128, steps=5, warmup=2, lr=1e-4, seed=0
+) -> dict:
+    """DDP training steps of an EG-MLA model, "vanilla" (every rank holds every gate table) or
+    "dimension-wise" (each holds a 1/W column slice, eg-mla.md Eqs. 9-11). Per rank: parameter, gradient
+    and AdamW-state bytes, peak memory (CUDA allocator, or the process's peak RSS on CPU), step time and the
+    time in the gate exchange; throughput counts every rank's tokens (eg-mla.md Table 6's columns)."""
+    import resource
+
+    import torch.nn.functional as F
+
+    from kvlm.model import build_model
+
+    if mode not in ("vanilla", "dimension-wise"):
+        raise ConfigError(f"mode must be 'vanilla' or 'dimension-wise', got {mode!r}")
+    device = ctx.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    torch.manual_seed(seed)
+    model = build_model(cfg, device=device).train()
+    exchange = None
+    if mode == "dimension-wise" and ctx.world > 1:
+        shard_gate_embeddings(model, ctx.rank, ctx.world)
+        exchange = next(m.exchange for m in model.modules() if isinstance(m, ShardedGateEmbedding))
+        exchange.timing = True
+    net = wrap_ddp(model, device) if ctx.world > 1 else model
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    gen = torch.Generator(device=device).manual_seed(seed + 1 + ctx.rank)
+    times, comm = [], []
+    grad_bytes = 0
+    for i in range(warmup + steps):
+        tokens = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=gen, device=device)
+        if exchange is not None:
+            exchange.comm_seconds = 0.0
+        _sync(device)
+        t0 = time.perf_counter()
+        logits = net(tokens[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+        loss.backward()
+        grad_bytes = sum(
+            p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None
+        )
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+            comm.append(exchange.comm_seconds if exchange is not None else None)
+    state_bytes = sum(
+        t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if torch.is_tensor(t)
+    )
+    gate = sum(
+        p.numel() * p.element_size() for p in model.parameters() if getattr(p, "is_gate_embedding", False)
+    )
+    step_ms = 1e3 * sorted(times)[len(times) // 2]
+    peak = (
+        torch.cuda.max_memory_allocated(device)
+        if device.type == "cuda"
+        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    )
+    return {
+        "mode": mode,
+        "workers": ctx.world,
+        "rank": ctx.rank,
+        "parameter_bytes": parameter_bytes(model),
+        "gate_table_bytes": gate,
+        "gradient_bytes": grad_bytes,
+        "optimizer_state_bytes": state_bytes,
+        "model_state_bytes": parameter_bytes(model) + grad_bytes + state_bytes,
+        "peak_memory_bytes": peak,
+        "peak_memory_kind": "cuda max_memory_allocated" if device.type == "cuda" else "process peak RSS",
+        "step_ms": step_ms,
+        "comm_ms": None if exchange is None else 1e3 * sorted(comm)[len(comm) // 2],
+        "throughput_tokens_per_s": ctx.world * batch * seq / (step_ms / 1e3),
+        "loss": loss.item(),
+    }
+
+
+def _model_config(preset: str, overrides: list[str]):
+    from kvlm.config import ModelConfig, load_yaml_or_json
+
+    changes = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set expects key=value, got {item!r}")
+        k, v = item.split("=", 1)
+        changes[k.strip()] = load_yaml_or_json(f"v: {v}")["v"]
+    from kvlm.attention import registry
+
+    if preset in registry():
+        return ModelConfig(attention=preset, **changes)
+    cfg = ModelConfig.from_preset(preset)
+    return cfg.replace(**changes) if changes else cfg
+
+
+def embedding_parallel_table(
+    workers=(1, 2, 4), modes=("vanilla", "dimension-wise"), bench_args=(), log=print
+) -> list[dict]:
+    """Run embedding-parallel-bench under torchrun for each worker count and mode; one row per run with
+    the per-rank maximum of memory and time (the busiest rank, as the paper's Table 6 reports per node)."""
+    import subprocess
+
+    rows = []
+    for w in workers:
+        for mode in modes:
+            if w == 1 and mode == "dimension-wise":
+                continue  # nothing to shard
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={w}",
+                "-m",
+                "kvlm.distributed",
+                "embedding-parallel-bench",
+                "--mode",
+                mode,
+                "--json",
+                *bench_args,
+            ]
+            env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // w)))
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            if proc.returncode:
+                raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+            ranks = json.loads(proc.stdout.strip().splitlines()[-1])["ranks"]
+            row = {"mode": mode, "workers": w}
+            for k in (
+                "parameter_bytes",
+                "gate_table_bytes",
+                "model_state_bytes",
+                "peak_memory_bytes",
+                "step_ms",
+            ):
+                row[k] = max(r[k] for r in ranks)
+            comm = [r["comm_ms"] for r in ranks if r["comm_ms"] is not None]
+            row["comm_ms"] = max(comm) if comm else None
+            row["throughput_tokens_per_s"] = min(r["throughput_tokens_per_s"] for r in ranks)
+            row["peak_memory_kind"] = ranks[0]["peak_memory_kind"]
+            rows.append(row)
+            log(_ep_line(row))
+    return rows
+
+
+def _ep_line(r: dict) -> str:
+    comm = f"{r['comm_ms']:.2f}" if r.get("comm_ms") is not None else "-"
+    return (
+        f"{r['mode']:15s} {r['workers']:>7d} {r['parameter_bytes'] / 2**20:12.1f} {r['model_state_bytes'] / 2**20:14.1f} "
+        f"{r['peak_memory_bytes'] / 2**20:12.1f} {r['throughput_tokens_per_s']:12.0f} {r['step_ms']:10.2f} {comm:>9s}"
+    )
+
+
+EP_HEADER = (
+    f"{'method':15s} {'workers':>7s} {'params MiB':>12s} {'states MiB':>14s} {'peak MiB':>12s} "
+    f"{'tokens/s':>12s} {'step ms':>10s} {'comm ms':>9s}"
+)
+
+
+def _bench_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--preset",
+        default="eg-mla-base/eg-mla-base-emb512",
+        help="preset or attention name (default: eg-mla.md's Base model with 512-wide gate tables)",
+    )
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvlm.distributed", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("tp-bench", help="tensor-parallel decode bench and per-rank KV (under torchrun)")
+    p.add_argument(
+        "--variants",
+        default="mha,gqa,mla,gla-2,gta,mlra-2,mlra-4,tpa,mfa,eg-mla",
+        help="attentions or presets, comma-separated",
+    )
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--prompt", type=int, default=64)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default=None)
+    p.add_argument("--check", action="store_true", help="also compare greedy decoding with one process")
+    p.add_argument("--json", action="store_true")
+    p = sub.add_parser(
+        "embedding-parallel-bench", help="one Table 6 run: DDP training steps (under torchrun)"
+    )
+    _bench_options(p)
+    p.add_argument("--mode", choices=["vanilla", "dimension-wise"], default="dimension-wise")
+    p.add_argument("--json", action="store_true")
+    p = sub.add_parser(
+        "embedding-parallel-table", help="eg-mla.md Table 6: vanilla vs dimension-wise, launching torchrun"
+    )
+    _bench_options(p)
+    p.add_argument("--workers", default="1,2,4", help="worker counts, comma-separated")
+    p.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        return _main(args)
+    except ConfigError as e:
+        print(f"kvlm.distributed {args.command}: error: {e}", file=sys.stderr)
+        return 1
+
+
+def _main(args) -> int:
+    if args.command == "embedding-parallel-table":
+        passed = [
+            "--preset",
+            args.preset,
+            "--batch",
+            str(args.batch),
+            "--seq",
+            str(args.seq),
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+        ]
+        passed += [x for s in args.set for x in ("--set", s)] + (
+            ["--device", args.device] if args.device else []
+        )
+        workers = [int(w) for w in args.workers.split(",") if w.strip()]
+        log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
+        log(EP_HEADER)
+        rows = embedding_parallel_table(workers, bench_args=passed, log=log)
+        if args.json:
+            print(json.dumps({"rows": rows}))
+        return 0
+    ctx = init_tp(device=args.device)
+    if ctx.device.type == "cpu":
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", 1))))
+    if args.command == "embedding-parallel-bench":
+        cfg = _model_config(args.preset, args.set)
+        if cfg.attention != "eg-mla":
+            raise ConfigError(
+                f"embedding parallelism shards eg-mla's gate tables; {args.preset} is {cfg.attention}"
+            )
+        row = embedding_parallel_bench(cfg, args.mode, ctx, args.batch, args.seq, args.steps, args.warmup)
+        rows = _gather(row, ctx)
+        if ctx.is_main:
+            if args.json:
+                print(json.dumps({"ranks": rows}))
+            else:
+                print(EP_HEADER)
+                for r in rows:
+                    print(_ep_line(r))
+    else:  # tp-bench
+        variants = []
+        for name in args.variants.split(","):
+            cfg = _model_config(name.strip(), args.set)
+            variants.append((name.strip(), cfg, ["auto"]))
+        log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else print
+        rows = tp_bench(
+            variants,
+            ctx,
+            (args.batch,),
+            (args.context,),
+            (args.prompt,),
+            args.steps,
+            1,
+            2,
+            getattr(torch, args.dtype),
+            check=args.check,
+            log=log if ctx.is_main else (lambda *a: None),
+        )
+        if ctx.is_main and args.json:
+            print(json.dumps({"tp": ctx.world, "rows": rows}))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -141,6 +141,8 @@ class KVLM(nn.Module):
             cache.check_append(B, T, self.embed.weight.dtype, tokens.device)
             if cache.length == 0:  # first use: a cache built for another model fails obscurely deep inside
                 self._check_cache_fits(cache)
+            if mode == "auto" and cache.mode == "naive":
+                mode = "naive"  # a materialised K/V cache has one route
             step = Step.build(tokens, cache.length, cache.pad, mode)
             if cache.token_ids is not None:
                 cache.token_ids[:, step.start : step.end] = tokens

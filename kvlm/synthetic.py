@@ -16,7 +16,9 @@ from collections.abc import Iterator
 
 LABEL = "synthetic-stories (generated, not real text)"
 
-GIRLS = "Lily Mia Emma Sara Lucy Anna Zoe Ella Ruby Nora Rosa Amy Kim Jane Maya Ivy Lola Daisy Grace Hana".split()
+GIRLS = (
+    "Lily Mia Emma Sara Lucy Anna Zoe Ella Ruby Nora Rosa Amy Kim Jane Maya Ivy Lola Daisy Grace Hana".split()
+)
 BOYS = "Tom Max Ben Sam Leo Tim Jack Finn Noah Jake Eli Owen Luke Dan Theo Hugo Omar Ravi Kai Paul".split()
 ANIMALS = [
     ("puppy", "Spot"),
@@ -161,7 +163,7 @@ def _share(c: _Cast) -> list[str]:
         '"No, it is mine!" said {A}. {B} felt {bad} and walked away.',
         *_middle(c, c.rng.randint(1, 4)),
         "Later, {A} was alone with the {obj}. It was not fun to play alone.",
-        "{A} went to find {B} and said, \"I am sorry, {B}. Let's play with my {obj} together.\"",
+        '{A} went to find {B} and said, "I am sorry, {B}. Let\'s play with my {obj} together."',
         "{B} smiled. They played with the {adj} {obj} and shared the {n} {things}.",
         "{A} learned that {moral}.",
     ]
@@ -178,7 +180,7 @@ def _brave(c: _Cast) -> list[str]:
         "{A} took the {adj} {obj} and went outside very slowly.",
         "It was {B} the {kindB}! {B} was lost and cold.",
         "{A} was not scared anymore. {He} gave {B} some food and the {adj} {obj} to hold.",
-        "{B} said, \"You are very brave, {A}.\" {A} felt {good}.",
+        '{B} said, "You are very brave, {A}." {A} felt {good}.',
         "After that night, {A} was never afraid of the dark again, and {he} told everyone that {moral}.",
     ]
 
@@ -207,7 +209,7 @@ def _count(c: _Cast) -> list[str]:
         "At the end of the day, they had {n} {things} in the {obj}.",
         '"Let\'s count them again," said {B}. They counted: {n}!',
         "{A} gave some of the {n} {things} to {his} mom.",
-        "Mom said, \"Thank you, {A}. You and {B} worked very hard.\"",
+        'Mom said, "Thank you, {A}. You and {B} worked very hard."',
         "{A} and {B} were {good}, and they went back to the {place} the next day.",
     ]
 

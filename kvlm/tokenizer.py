@@ -81,7 +81,9 @@ def train_bpe(texts: Iterable[str], vocab_size: int = 4096, eos_token: str = EOS
     from tokenizers import models, pre_tokenizers, trainers
 
     if vocab_size < 257:
-        raise TokenizerError(f"vocab_size={vocab_size} is too small: byte-level BPE needs 256 bytes + end-of-text")
+        raise TokenizerError(
+            f"vocab_size={vocab_size} is too small: byte-level BPE needs 256 bytes + end-of-text"
+        )
     tok = _byte_level(models.BPE())
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -150,7 +152,9 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     return Tokenizer(backend, EOS_TOKEN, kind=kind)
 
 
-def tokenizer_from_spec(spec: str | Path, texts: Iterable[str] | None = None, vocab_size: int = 4096) -> Tokenizer:
+def tokenizer_from_spec(
+    spec: str | Path, texts: Iterable[str] | None = None, vocab_size: int = 4096
+) -> Tokenizer:
     """`spec`: "bpe" (train on `texts`), "gpt2" or a path (tokenizer.json or a GPT-2 folder)."""
     if str(spec) == "bpe":
         if texts is None:

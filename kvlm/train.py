@@ -57,7 +57,7 @@ class TrainConfig:
     max_minutes: float | None = None
     lr: float = 1e-3  # peak learning rate
     min_lr_ratio: float = 0.1  # cosine decay ends at min_lr_ratio * lr
-    warmup_steps: int = 100
+    warmup_steps: int | None = None  # None: 5 % of the step budget, at most 100 (100 for a time budget)
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -81,7 +81,9 @@ class TrainConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.batch_size % self.grad_accum:
-            raise ConfigError(f"batch_size={self.batch_size} is not divisible by grad_accum={self.grad_accum}")
+            raise ConfigError(
+                f"batch_size={self.batch_size} is not divisible by grad_accum={self.grad_accum}"
+            )
         if self.max_steps is None and self.max_tokens is None and self.max_minutes is None:
             raise ConfigError("give a training budget: max_steps, max_tokens or max_minutes")
         for name in ("max_steps", "max_tokens", "max_minutes", "checkpoint_interval"):
@@ -90,7 +92,7 @@ class TrainConfig:
                 raise ConfigError(f"{name} must be positive, got {v}")
         if self.lr <= 0 or not 0 <= self.min_lr_ratio <= 1:
             raise ConfigError(f"need lr > 0 and 0 <= min_lr_ratio <= 1 (got {self.lr}, {self.min_lr_ratio})")
-        if self.warmup_steps < 0:
+        if self.warmup_steps is not None and self.warmup_steps < 0:
             raise ConfigError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ConfigError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
@@ -114,6 +116,12 @@ class TrainConfig:
     @property
     def tokens_per_step(self) -> int:
         return self.batch_size * self.seq_len
+
+    def warmup(self) -> int:
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        total = self.total_steps()
+        return 100 if total is None else min(100, math.ceil(0.05 * total))
 
     def total_steps(self) -> int | None:
         """Steps the step or token budget allows (None for a time budget alone)."""
@@ -158,8 +166,9 @@ class TrainResult:
 def lr_at(cfg: TrainConfig, step: int, progress: float) -> float:
     """Learning rate for update `step` (0-based): linear warm-up over warmup_steps, then cosine from lr
     to min_lr_ratio * lr as `progress` (share of the decay phase done, steps or time) goes 0 -> 1."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
+    warmup = cfg.warmup()
+    if step < warmup:
+        return cfg.lr * (step + 1) / warmup
     p = min(max(progress, 0.0), 1.0)
     min_lr = cfg.min_lr_ratio * cfg.lr
     return min_lr + 0.5 * (cfg.lr - min_lr) * (1.0 + math.cos(math.pi * p))
@@ -167,7 +176,7 @@ def lr_at(cfg: TrainConfig, step: int, progress: float) -> float:
 
 def _progress(cfg: TrainConfig, step: int, total: int | None, elapsed: float) -> float:
     if total is not None:
-        return (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps)
+        return (step - cfg.warmup()) / max(1, total - cfg.warmup())
     return elapsed / (cfg.max_minutes * 60.0)
 
 
@@ -303,7 +312,9 @@ def validation_loss(
         with autocast():
             logits = model(xy[:, :-1])
         loss = F.cross_entropy(logits.float().flatten(0, 1), xy[:, 1:].flatten(), reduction="sum")
-        total += torch.stack([loss.double(), torch.tensor(xy[:, 1:].numel(), dtype=torch.float64, device=device)])
+        total += torch.stack(
+            [loss.double(), torch.tensor(xy[:, 1:].numel(), dtype=torch.float64, device=device)]
+        )
     dt.all_reduce_sum(total, info)
     model.train(was_training)
     return None if total[1] == 0 else float(total[0] / total[1])
@@ -338,7 +349,17 @@ def train(
     info = dt.setup(device_probe.type)
     try:
         return _train(
-            model_cfg, train_cfg, data, out_dir, resume, progress, log, callback, adapt_vocab, tensorboard, info
+            model_cfg,
+            train_cfg,
+            data,
+            out_dir,
+            resume,
+            progress,
+            log,
+            callback,
+            adapt_vocab,
+            tensorboard,
+            info,
         )
     finally:
         dt.teardown(info)
@@ -363,7 +384,9 @@ def _train(model_cfg, tcfg, data, out_dir, resume, progress, log, callback, adap
     # --- model, optimizer, state (fresh or resumed) ------------------------------------------------
     state = None
     if resume:
-        ckpt = Path(resume) if not isinstance(resume, bool) else (out_dir / CHECKPOINT_DIR if out_dir else None)
+        ckpt = (
+            Path(resume) if not isinstance(resume, bool) else (out_dir / CHECKPOINT_DIR if out_dir else None)
+        )
         if ckpt is None:
             raise ConfigError("resume=True needs an out_dir (or pass the checkpoint folder)")
         model, state = _load_for_resume(ckpt, model_cfg, tcfg, data)
@@ -507,7 +530,11 @@ def _train(model_cfg, tcfg, data, out_dir, resume, progress, log, callback, adap
             if tcfg.max_minutes is not None and not is_last:
                 # the time budget may end the run after this step: evaluate and save now if so
                 ends = dt.broadcast_flag(elapsed() >= tcfg.max_minutes * 60, info, device)
-                is_eval, is_log, is_ckpt = is_eval or ends, is_log or ends, is_ckpt or (ends and out_dir is not None)
+                is_eval, is_log, is_ckpt = (
+                    is_eval or ends,
+                    is_log or ends,
+                    is_ckpt or (ends and out_dir is not None),
+                )
             if is_log or is_ckpt:
                 flush_losses()
             if is_log:
@@ -529,7 +556,9 @@ def _train(model_cfg, tcfg, data, out_dir, resume, progress, log, callback, adap
                 elif v is not None and main and log is not None:
                     bar.write(line, file=sys.stderr)
             if is_ckpt:
-                last_ckpt = _save(out_dir, model, data, tcfg, optimizer, step, tokens, elapsed(), losses, val_losses, info)
+                last_ckpt = _save(
+                    out_dir, model, data, tcfg, optimizer, step, tokens, elapsed(), losses, val_losses, info
+                )
     finally:
         bar.close()
         if metrics_f is not None:
@@ -603,14 +632,19 @@ def _load_for_resume(path: Path, model_cfg: ModelConfig | None, tcfg: TrainConfi
     if model_cfg is not None:
         mine, theirs = model_cfg.to_dict(), model.cfg.to_dict()
         # the vocabulary may have been adapted to the data when the run started
-        diff = [k for k in mine if mine[k] != theirs[k] and not (k == "vocab_size" and theirs[k] == data.vocab_size)]
+        diff = [
+            k
+            for k in mine
+            if mine[k] != theirs[k] and not (k == "vocab_size" and theirs[k] == data.vocab_size)
+        ]
         if diff:
             raise ConfigError(f"resume: the model config differs from the checkpoint's in {', '.join(diff)}")
     saved = state["train_config"]
     diff = [k for k in DATA_ORDER_FIELDS if saved.get(k) != getattr(tcfg, k)]
     if diff:
         raise ConfigError(
-            "resume: " + ", ".join(f"{k}={getattr(tcfg, k)} (checkpoint: {saved.get(k)})" for k in diff)
+            "resume: "
+            + ", ".join(f"{k}={getattr(tcfg, k)} (checkpoint: {saved.get(k)})" for k in diff)
             + " would change the data order"
         )
     state["path"] = str(path)
@@ -626,7 +660,7 @@ def _save(out_dir, model, data, tcfg, optimizer, step, tokens, elapsed, losses, 
             "tokens": tokens,
             "elapsed": elapsed,
             "optimizer": optimizer.state_dict(),
-            "schedule": {"total_steps": tcfg.total_steps(), "warmup_steps": tcfg.warmup_steps},
+            "schedule": {"total_steps": tcfg.total_steps(), "warmup_steps": tcfg.warmup()},
             "data": {"samples_seen": step * tcfg.batch_size, "content_hash": data.content_hash},
             "rng": rngs,
             "losses": list(losses),
@@ -673,7 +707,9 @@ def _tensorboard(path: Path):
     try:
         from torch.utils.tensorboard import SummaryWriter
     except ImportError as e:
-        raise ConfigError("TensorBoard logging needs the tensorboard package: pip install 'kvlm[tensorboard]'") from e
+        raise ConfigError(
+            "TensorBoard logging needs the tensorboard package: pip install 'kvlm[tensorboard]'"
+        ) from e
     return SummaryWriter(str(path))
 
 
@@ -754,17 +790,19 @@ def add_arguments(p) -> None:
                    "to prepare into OUT/data first")  # fmt: skip
     p.add_argument("--out", "-o", required=True, help="run folder: config.yaml, metrics.jsonl, checkpoint/")
     p.add_argument("--preset", help="a named model configuration (kvlm kv-table --list)")
-    p.add_argument("--config", help="YAML/JSON: ModelConfig fields, TrainConfig fields, or model:/train: sections")
+    p.add_argument(
+        "--config", help="YAML/JSON: ModelConfig fields, TrainConfig fields, or model:/train: sections"
+    )
     g = p.add_argument_group("model overrides")
     for flag, name, typ in MODEL_FLAGS:
-        g.add_argument(flag, dest=f"m_{name}", type=typ, help=f"ModelConfig.{name}")
+        g.add_argument(flag, dest=f"m_{name}", type=typ, metavar=name.upper(), help=f"ModelConfig.{name}")
     g = p.add_argument_group("budget (the first reached ends training)")
     g.add_argument("--steps", type=int, help="optimizer steps (default 1000 when no other budget is given)")
     g.add_argument("--tokens", type=int, help="training tokens")
     g.add_argument("--minutes", type=float, help="training time")
     g = p.add_argument_group("training")
     for flag, name, typ in TRAIN_FLAGS:
-        g.add_argument(flag, dest=f"t_{name}", type=typ, help=f"TrainConfig.{name}")
+        g.add_argument(flag, dest=f"t_{name}", type=typ, metavar=name.upper(), help=f"TrainConfig.{name}")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
     g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any ModelConfig or TrainConfig field (repeatable)")  # fmt: skip
@@ -843,7 +881,9 @@ def main(args) -> int:
     model_cfg, tcfg, explicit_vocab = configs_from_args(args)
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not (Path(args.data) / "meta.json").is_file():
-        raise ConfigError(f"under torchrun, --data must be a prepared folder (run `kvlm prepare` first): {args.data}")
+        raise ConfigError(
+            f"under torchrun, --data must be a prepared folder (run `kvlm prepare` first): {args.data}"
+        )
     data = load_or_prepare(args.data, out / "data", log=print)
     if not explicit_vocab and model_cfg.vocab_size != data.vocab_size:
         if rank == 0:

@@ -127,7 +127,7 @@ def test_tensor_parallel_loading_matches_table1(attention, overrides, loading):
     assert [per_device_loading(cfg, tp) / 128 for tp in (1, 2, 4, 8)] == loading
 
 
-def test_cache_specs():
+def test_tpa_gta_mfa_cache_specs():
     assert tiny_config("tpa").cache_spec() == {"k_a": (2, 4), "k_c": (2, 16), "v_a": (2, 4), "v_c": (2, 16)}
     assert get_attention_class("tpa").spec_for(tiny_config("tpa"), naive=True) == {"k": (4, 16), "v": (4, 16)}
     assert tiny_config("gta", n_kv_head=2).cache_spec() == {"v": (2, 16), "k_rope": (8,)}

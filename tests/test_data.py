@@ -124,7 +124,9 @@ def test_gpt2_tokenizer_on_real_text_with_caps(tmp_path):
 def test_shards_and_windows_across_boundaries(tmp_path):
     data = prepare("synthetic", tmp_path / "d", max_tokens=2_500, vocab_size=300, shard_tokens=1_000)
     assert [s["tokens"] for s in data.meta["splits"]["train"]["shards"]] == [1_000, 1_000, 500]
-    flat = np.concatenate([np.fromfile(tmp_path / "d" / f"train-0000{i}.bin", dtype=np.uint16) for i in range(3)])
+    flat = np.concatenate(
+        [np.fromfile(tmp_path / "d" / f"train-0000{i}.bin", dtype=np.uint16) for i in range(3)]
+    )
     assert np.array_equal(data.train.window(990, 30), flat[990:1020].astype(np.int64))
     assert np.array_equal(data.train.windows([0, 1_995], 10)[1], flat[1_995:2_005])
     with pytest.raises(IndexError):

@@ -29,7 +29,9 @@ def _worker(rank, world, init_file, data_dir, out_dir, result_file, cfg, tcfg):
 
 def test_two_ranks_match_one_process(tmp_path):
     data = prepare("synthetic", tmp_path / "data", max_tokens=20_000, vocab_size=300)
-    cfg = ModelConfig(attention="mha", n_layer=1, d_model=32, n_head=2, vocab_size=data.vocab_size, max_seq_len=16)
+    cfg = ModelConfig(
+        attention="mha", n_layer=1, d_model=32, n_head=2, vocab_size=data.vocab_size, max_seq_len=16
+    )
     tcfg = TrainConfig(batch_size=8, seq_len=16, max_steps=4, lr=3e-3, warmup_steps=1, eval_interval=2,
                        eval_iters=2, log_interval=1)  # fmt: skip
     single = train(cfg, tcfg, data, tmp_path / "single", progress=False, log=None)
@@ -39,8 +41,15 @@ def test_two_ranks_match_one_process(tmp_path):
     result = tmp_path / "ddp.json"
     mp.start_processes(
         _worker,
-        args=(2, str(tmp_path / "init"), str(data.path), str(tmp_path / "ddp"), str(result), cfg.to_dict(),
-              ddp_cfg.to_dict()),  # fmt: skip
+        args=(
+            2,
+            str(tmp_path / "init"),
+            str(data.path),
+            str(tmp_path / "ddp"),
+            str(result),
+            cfg.to_dict(),
+            ddp_cfg.to_dict(),
+        ),  # fmt: skip
         nprocs=2,
         join=True,
         start_method="fork",

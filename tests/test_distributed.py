@@ -66,7 +66,11 @@ TP2 = [
     ("eg-mla", {"eg_norm": False, "eg_op": "add", "gated": True}, set()),
     ("gla-2", {"q_lora_rank": 32, "latent_scaling": True}, {"modes"}),
     ("gla-4", {"arch": "gpt2", "bias": True}, set()),
-    ("mlra-2", {"q_lora_rank": 32, "latent_scaling": True, "attn_out_scaling": True, "gated": True}, {"modes"}),
+    (
+        "mlra-2",
+        {"q_lora_rank": 32, "latent_scaling": True, "attn_out_scaling": True, "gated": True},
+        {"modes"},
+    ),
     ("mlra-4", {"rope_head_dim": 0, "gated": True, "attn_out_scaling": True}, set()),
     ("gta", {"n_kv_head": 2, "gated": True}, set()),
     ("mfa", {"q_lora_rank": 32}, set()),
@@ -94,7 +98,7 @@ def _check_tp(world, results, cases):
     from kvlm.accounting import kv_table
 
     bad = []
-    for attention, overrides, extra in cases:
+    for attention, overrides, _ in cases:
         key = f"{attention}{overrides}"
         per_rank = [r["tp"][key] for r in results]
         errors = [r["error"] for r in per_rank if "error" in r]
@@ -115,7 +119,9 @@ def _check_tp(world, results, cases):
             cfg = tiny_config(attention, **overrides)
             want = kv_table(cfg, tp=[world], params=False)[0]["per_device"][world]["elements_per_token"]
             if r["kv_elements_per_token"] != want or r["cache_elements_per_token"] != want:
-                bad.append(f"{key} rank {rank}: caches {r['kv_elements_per_token']} elements/token, kv-table {want}")
+                bad.append(
+                    f"{key} rank {rank}: caches {r['kv_elements_per_token']} elements/token, kv-table {want}"
+                )
             if r["cache_nbytes"] != r["cache_tokens"] * want * 8:  # float64
                 bad.append(f"{key} rank {rank}: allocated {r['cache_nbytes']} bytes")
         # the ranks' shards cover every query head; for latent blocks every block
@@ -152,10 +158,16 @@ def _check_ep(world, results):
                 bad.append(f"{key} rank {rank}: gradient of {worst} differs by {r['grad_err'][worst]}")
             n_tables = cfg.n_layer // cfg.eg_group_size
             full = n_tables * cfg.vocab_size * cfg.kv_emb_dim * 8
-            if not full / world - cfg.vocab_size * n_tables * 8 <= r["gate_bytes"] <= full / world + cfg.vocab_size * n_tables * 8:
+            if (
+                not full / world - cfg.vocab_size * n_tables * 8
+                <= r["gate_bytes"]
+                <= full / world + cfg.vocab_size * n_tables * 8
+            ):
                 bad.append(f"{key} rank {rank}: holds {r['gate_bytes']} bytes of gate tables, full {full}")
             if r["param_bytes_unsharded"] - r["param_bytes"] != full - r["gate_bytes"]:
-                bad.append(f"{key} rank {rank}: parameter bytes {r['param_bytes']} (unsharded {r['param_bytes_unsharded']})")
+                bad.append(
+                    f"{key} rank {rank}: parameter bytes {r['param_bytes']} (unsharded {r['param_bytes_unsharded']})"
+                )
     for rank, r in enumerate(results):
         if r["ep"]["ragged"]["out_err"] or r["ep"]["ragged"]["grad_err"] > 1e-12:
             bad.append(f"ragged lookup rank {rank}: {r['ep']['ragged']}")

@@ -43,7 +43,9 @@ def test_loss_falls_on_real_text():
         max_tokens=50_000,
         val_tokens=2_048,
     )
-    cfg = ModelConfig(attention="mha", n_layer=1, d_model=64, n_head=4, vocab_size=data.vocab_size, max_seq_len=32)
+    cfg = ModelConfig(
+        attention="mha", n_layer=1, d_model=64, n_head=4, vocab_size=data.vocab_size, max_seq_len=32
+    )
     tcfg = TrainConfig(batch_size=4, seq_len=32, max_steps=20, lr=1e-2, warmup_steps=2, eval_interval=20,
                        eval_iters=4, eval_at_start=True)  # fmt: skip
     res = train(cfg, tcfg, data, progress=False, log=None)
@@ -108,10 +110,11 @@ def test_schedule_warmup_then_cosine_to_ten_percent():
     assert lrs[60] == pytest.approx(0.55)  # halfway down the cosine: (1 + 0.1) / 2
     assert lr_at(t, 110, 1.0) == pytest.approx(0.1)
     assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
+    # the default warm-up: 5 % of the steps, at most 100
+    assert TrainConfig(max_steps=40).warmup() == 2 and TrainConfig(max_steps=10_000).warmup() == 100
 
 
 def test_weight_decay_on_matrices_only(stories):
-    model = torch.nn.Module()
     from kvlm.model import build_model
 
     model = build_model(tiny(stories, bias=True))
@@ -137,7 +140,9 @@ def test_batch_order_is_a_seeded_permutation(stories):
 def test_vocabulary_and_length_mismatch(stories):
     with pytest.raises(ConfigError, match="vocabulary mismatch"):
         train(tiny(stories, vocab_size=stories.vocab_size - 1), quick(), stories, progress=False, log=None)
-    res = train(tiny(stories, vocab_size=64), quick(max_steps=1), stories, progress=False, log=None, adapt_vocab=True)
+    res = train(
+        tiny(stories, vocab_size=64), quick(max_steps=1), stories, progress=False, log=None, adapt_vocab=True
+    )
     assert res.model_config["vocab_size"] == stories.vocab_size
     with pytest.raises(ConfigError, match="max_seq_len"):
         train(tiny(stories), quick(seq_len=64), stories, progress=False, log=None)
@@ -185,7 +190,10 @@ def test_cli_prepare_and_train(tmp_path, capsys):
               "--json"])  # fmt: skip
     assert rc == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert summary["source"] == "synthetic-stories (generated, not real text)" and summary["train_tokens"] == 8000
+    assert (
+        summary["source"] == "synthetic-stories (generated, not real text)"
+        and summary["train_tokens"] == 8000
+    )
     args = ["train", "--data", data, "--out", run, "--n-layer", "1", "--d-model", "32", "--n-head", "2",
             "--max-seq-len", "32", "--seq-len", "16", "--batch-size", "4", "--steps", "4", "--eval-interval", "2",
             "--eval-iters", "1", "--log-interval", "1", "--set", "warmup_steps=1", "--no-progress", "--json"]  # fmt: skip
@@ -202,5 +210,8 @@ def test_cli_prepare_and_train(tmp_path, capsys):
     assert cli(args[:steps_at] + ["6"] + args[steps_at + 1 :] + ["--resume"]) == 0
     assert [json.loads(line)["step"] for line in open(f"{run}/metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
     # bad input: one clear error, exit status 1
-    assert cli(["train", "--data", str(tmp_path / "missing"), "--out", run, "--steps", "1", "--no-progress"]) == 1
+    assert (
+        cli(["train", "--data", str(tmp_path / "missing"), "--out", run, "--steps", "1", "--no-progress"])
+        == 1
+    )
     assert "not found" in capsys.readouterr().err

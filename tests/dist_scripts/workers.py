@@ -32,8 +32,18 @@ def run(fn, world: int, out: str, *args) -> list[dict]:
     import torch.multiprocessing as mp
 
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    if method == "fork":  # import once here what every rank needs, rather than once per rank
+        import torch._dynamo  # noqa: F401  (DistributedDataParallel imports it on first use: seconds)
+
+        import kvlm.distributed  # noqa: F401
+        import kvlm.generate  # noqa: F401
+        from kvlm.attention import registry
+
+        registry()
     port = free_port()
-    mp.start_processes(_entry, args=(fn, world, port, out, args), nprocs=world, join=True, start_method=method)
+    mp.start_processes(
+        _entry, args=(fn, world, port, out, args), nprocs=world, join=True, start_method=method
+    )
     return [torch.load(os.path.join(out, f"{r}.pt"), weights_only=False) for r in range(world)]
 
 
@@ -130,7 +140,14 @@ def ep_cases(rank, world, cases):
 
     import torch.nn.functional as F
 
-    from kvlm.distributed import ShardedGateEmbedding, copy_model, parameter_bytes, shard_gate_embeddings, wrap_ddp
+    from kvlm.distributed import (
+        GateExchange,
+        ShardedGateEmbedding,
+        copy_model,
+        parameter_bytes,
+        shard_gate_embeddings,
+        wrap_ddp,
+    )
 
     results = {}
     for attention, overrides in cases:
@@ -165,7 +182,9 @@ def ep_cases(rank, world, cases):
             r["param_bytes"] = parameter_bytes(ep)
             r["param_bytes_unsharded"] = parameter_bytes(model)
             r["gate_bytes"] = sum(
-                p.numel() * p.element_size() for p in ep.parameters() if getattr(p, "is_gate_embedding", False)
+                p.numel() * p.element_size()
+                for p in ep.parameters()
+                if getattr(p, "is_gate_embedding", False)
             )
             results[key] = r
         except Exception as e:
@@ -175,11 +194,14 @@ def ep_cases(rank, world, cases):
     table = torch.randn(11, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
     bounds = [0] + [len(c) for c in torch.tensor_split(torch.arange(7), world)]
     bounds = [sum(bounds[: i + 1]) for i in range(len(bounds))]
-    emb = ShardedGateEmbedding(table, bounds, rank, average_grads=False)
+    emb = ShardedGateEmbedding(table, bounds, GateExchange(rank, world), average_grads=False)
     ids = torch.randint(0, 11, (1, 3 + 2 * rank), generator=torch.Generator().manual_seed(10 + rank))
     out = emb(ids)
     out.pow(2).sum().backward()  # d/dW of sum over all ranks' ids of |row|^2, restricted to my columns
-    all_ids = [torch.randint(0, 11, (1, 3 + 2 * s), generator=torch.Generator().manual_seed(10 + s)) for s in range(world)]
+    all_ids = [
+        torch.randint(0, 11, (1, 3 + 2 * s), generator=torch.Generator().manual_seed(10 + s))
+        for s in range(world)
+    ]
     want_grad = torch.zeros_like(table)
     for s_ids in all_ids:
         want_grad.index_add_(0, s_ids.flatten(), 2 * table[s_ids.flatten()])

@@ -1,0 +1,249 @@
+"""Hugging Face transformers classes for kvlm models: ``KVLMConfig``, ``KVLMForCausalLM``, ``KVLMCache``.
+
+``KVLMForCausalLM`` wraps a ``kvlm.model.KVLM`` (as ``.model``), so every attention mechanism works in
+transformers unchanged. ``generate()`` keeps kvlm's compact KV cache (the latent ``c_kv`` for MLA, not
+materialised per-head K/V): ``_prepare_cache_for_generation`` hands generate a ``KVLMCache`` and ``forward``
+refuses any other cache class, so there is no silent fallback to a transformers ``DynamicCache``.
+
+Batches are left-padded (``tokenizer.padding_side = "left"``): the attention mask's leading zeros become the
+cache's left padding (``KVCache.set_left_padding``) and kvlm derives positions from it. Right padding is
+accepted only without a cache (causal attention never looks right, so real tokens are unaffected).
+
+This file is also copied, with its kvlm imports made relative, into every ``kvlm export-hf`` folder as
+``modeling_kvlm.py`` (see ``kvlm.hf``), so it may import only torch, transformers and kvlm's core modules.
+Written for transformers 5 (``PreTrainedConfig``; causal LMs inherit ``GenerationMixin`` explicitly), and kept
+importable on 4.x (``PretrainedConfig``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from kvlm.cache import CacheError, KVCache
+from kvlm.config import ModelConfig
+from kvlm.model import KVLM
+
+try:  # transformers >= 5 renamed the config base class
+    from transformers import PreTrainedConfig
+except ImportError:  # pragma: no cover - transformers 4.x
+    from transformers import PretrainedConfig as PreTrainedConfig
+
+
+class KVLMConfig(PreTrainedConfig):
+    """The kvlm ``ModelConfig`` (``kvlm_config``, all fields) plus transformers' generic settings. The usual
+    transformers names (hidden_size, num_hidden_layers, ...) mirror it for tools that read them."""
+
+    model_type = "kvlm"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    def __init__(self, kvlm_config: dict | None = None, **kwargs):
+        cfg = ModelConfig.from_dict(dict(kvlm_config)) if kvlm_config else ModelConfig()
+        self.kvlm_config = cfg.to_dict()
+        kwargs.setdefault("tie_word_embeddings", cfg.tie_embeddings)
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "max_position_embeddings", "intermediate_size"):  # fmt: skip
+            kwargs.pop(name, None)  # derived below, never read back from a saved config.json
+        super().__init__(**kwargs)
+        self.vocab_size = cfg.vocab_size
+        self.hidden_size = cfg.d_model
+        self.num_hidden_layers = cfg.n_layer
+        self.num_attention_heads = cfg.n_head
+        self.num_key_value_heads = cfg.n_kv_head
+        self.head_dim = cfg.head_dim
+        self.max_position_embeddings = cfg.max_seq_len
+        self.intermediate_size = cfg.ffn_dim
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig.from_dict(dict(self.kvlm_config))
+
+
+class KVLMCache:
+    """kvlm's compact ``KVCache`` behind the few calls transformers' ``generate`` makes on a cache.
+
+    Allocated on the model's first call with it (then the batch size and left padding are known), for
+    ``max_length`` tokens (default: the model's max_seq_len). ``.kv`` is the ``kvlm.cache.KVCache``."""
+
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, max_length: int | None = None):
+        self.max_length = max_length
+        self.kv: KVCache | None = None
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0 if self.kv is None else self.kv.length
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return -1 if self.kv is None else self.kv.max_seq_len
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.kv is None else self.kv.nbytes
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: sequence b continues beam ``beam_idx[b]``."""
+        if self.kv is None:
+            return
+        idx = beam_idx.to(self.kv.device)
+        for layer in self.kv.layers:
+            for buf in layer.values():
+                buf.copy_(buf.index_select(0, idx))
+        self.kv.pad.copy_(self.kv.pad.index_select(0, idx))
+        if self.kv.token_ids is not None:
+            self.kv.token_ids.copy_(self.kv.token_ids.index_select(0, idx))
+
+    def __repr__(self) -> str:
+        return f"KVLMCache({self.kv!r})"
+
+
+def left_padding(attention_mask: torch.Tensor | None, allow_right: bool) -> torch.Tensor | None:
+    """(B, L) 0/1 mask -> left padding per row (B,), or None when nothing is padded on the left.
+
+    Each row must be zeros then ones (left padding) or, with allow_right, ones then zeros (right padding,
+    harmless without a cache). Anything else (holes inside a sequence) cannot be expressed by kvlm's cache."""
+    if attention_mask is None:
+        return None
+    m = attention_mask.to(torch.bool)
+    if bool(m.all()):
+        return None
+    pad = (~m).long().cumprod(dim=1).sum(dim=1)  # leading zeros
+    n_ones = m.long().sum(dim=1)
+    L = m.shape[1]
+    left_ok = bool((pad + n_ones == L).all())
+    if left_ok:
+        return pad if bool(pad.any()) else None
+    trailing = m.flip(1).logical_not().long().cumprod(dim=1).sum(dim=1)
+    if allow_right and bool((trailing + n_ones == L).all()):
+        return None
+    raise ValueError(
+        "kvlm models need left-padded batches (attention_mask = zeros then ones per row; set "
+        "tokenizer.padding_side = 'left'); this mask has padding inside or after the sequence"
+    )
+
+
+class KVLMForCausalLM(PreTrainedModel, GenerationMixin):
+    config_class = KVLMConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    _no_split_modules = ["Block"]
+    _supports_cache_class = True
+    supports_gradient_checkpointing = False
+
+    def __init__(self, config: KVLMConfig):
+        super().__init__(config)
+        self.model = KVLM(config.model_config())
+        self.post_init()
+
+    # the tie is kvlm's own (lm_head.weight is embed.weight); these tell transformers about it
+    @property
+    def _tied_weights_keys(self):
+        if self.config.kvlm_config.get("tie_embeddings", True):
+            return {"model.lm_head.weight": "model.embed.weight"}
+        return None
+
+    def _init_weights(self, module):
+        # KVLM initialises itself when built (GPT-style, kvlm.model.KVLM.reset_parameters)
+        pass
+
+    def get_input_embeddings(self):
+        return self.model.embed
+
+    def set_input_embeddings(self, value):
+        self.model.embed = value
+
+    def get_output_embeddings(self):
+        return self.model.lm_head
+
+    def set_output_embeddings(self, value):
+        self.model.lm_head = value
+
+    @property
+    def kvlm_model(self) -> KVLM:
+        return self.model
+
+    # --- generation -----------------------------------------------------------------------------
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        """Give generate() a KVLMCache (the compact cache), never a transformers DynamicCache."""
+        user_cache = model_kwargs.get("past_key_values")
+        if user_cache is not None:
+            if not isinstance(user_cache, KVLMCache):
+                raise ValueError(f"kvlm models keep their own compact cache: pass a KVLMCache, not {type(user_cache).__name__}")
+            user_cache._is_user_defined = True
+            return
+        if generation_config.use_cache is False:
+            return
+        impl = getattr(generation_config, "cache_implementation", None)
+        if impl not in (None, "dynamic"):
+            raise ValueError(f"kvlm models use their own compact cache; cache_implementation={impl!r} is not supported")
+        model_kwargs["past_key_values"] = KVLMCache(max_length=generation_config.max_length)
+
+    def _supports_default_dynamic_cache(self) -> bool:  # pragma: no cover - generate() asks in some versions
+        return False
+
+    # --- forward ---------------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: KVLMCache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        return_dict: bool | None = None,
+        logits_to_keep: int = 0,
+        **kwargs,
+    ):
+        if inputs_embeds is not None or input_ids is None:
+            raise ValueError("kvlm models take input_ids (inputs_embeds is not supported)")
+        for name in ("output_attentions", "output_hidden_states"):
+            if kwargs.get(name):
+                raise ValueError(f"{name}=True is not supported by kvlm models")
+        cache = past_key_values
+        if cache is None and use_cache is True:
+            cache = KVLMCache()
+        if cache is not None and not isinstance(cache, KVLMCache):
+            raise ValueError(
+                f"kvlm models keep their own compact cache (KVLMCache); got {type(cache).__name__}"
+            )
+        B, T = input_ids.shape
+        last_only = logits_to_keep == 1
+        if cache is None:
+            pad = left_padding(attention_mask, allow_right=True)
+            if pad is None:
+                logits = self.model(input_ids, last_only=last_only)
+            else:  # left padding: a throw-away cache carries the padding (masks and positions)
+                kv = self.model.new_cache(B, T)
+                kv.set_left_padding(pad)
+                logits = self.model(input_ids, cache=kv, last_only=last_only)
+        else:
+            if cache.kv is None:
+                if attention_mask is not None and attention_mask.shape[1] != T:
+                    raise CacheError("a new KVLMCache must be filled with the whole prompt first")
+                cfg = self.model.cfg
+                max_len = min(cache.max_length or cfg.max_seq_len, cfg.max_seq_len)
+                cache.kv = self.model.new_cache(B, max(max_len, T))
+                pad = left_padding(attention_mask, allow_right=False)
+                if pad is not None:
+                    cache.kv.set_left_padding(pad)
+            elif attention_mask is not None:
+                new = attention_mask[:, cache.kv.length :]
+                if new.shape[1] != T or not bool(new.to(torch.bool).all()):
+                    raise ValueError("attention_mask must cover the cached tokens and be 1 on the new ones")
+            logits = self.model(input_ids, cache=cache.kv, last_only=last_only)
+        if isinstance(logits_to_keep, int) and logits_to_keep > 1:
+            logits = logits[:, -logits_to_keep:]
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(
+                logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten().to(logits.device), ignore_index=-100
+            )
+        if return_dict is False:
+            out = (logits, cache)
+            return (loss, *out) if loss is not None else out
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
+
+
+__all__ = ["KVLMCache", "KVLMConfig", "KVLMForCausalLM"]

@@ -1,0 +1,208 @@
+"""MLA beyond the generic contract: the three decode routes agree with each other and really differ in what they
+do, absorbed weights are cached and refreshed, parameter and cache counts equal the papers' formulas."""
+
+import math
+
+import pytest
+import torch
+from conftest import tiny_config
+
+from kvlm import ConfigError, build_model
+from kvlm.attention import Step
+from kvlm.attention.mla import MLA, latent_attention
+from kvlm.cache import CacheError
+
+
+def _model(dtype=torch.float64, **overrides):
+    torch.manual_seed(0)
+    model = build_model(tiny_config("mla", **overrides)).to(dtype).eval()
+    with torch.no_grad():  # non-trivial norms and biases
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def _decode(model, tokens, mode, prefill=6):
+    cache = model.new_cache(tokens.shape[0], tokens.shape[1], naive=(mode == "naive"))
+    out = [model(tokens[:, :prefill], cache=cache, mode=mode)]
+    out += [model(tokens[:, t : t + 1], cache=cache, mode=mode) for t in range(prefill, tokens.shape[1])]
+    return torch.cat(out, 1)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"q_lora_rank": 24, "latent_scaling": True}, {"kv_latent": "separate", "kv_lora_rank": 16}],
+    ids=["plain", "q_lora", "separate"],
+)
+@pytest.mark.parametrize("fold", ["none", "all"])
+def test_absorbed_equals_naive_equals_expand(overrides, fold):
+    model = _model(**overrides, bias=True)
+    for b in model.layers:
+        b.attn.absorb_fold = fold
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 12))
+    with torch.no_grad():
+        outs = {mode: _decode(model, tokens, mode) for mode in ("absorbed", "naive", "expand")}
+    assert (outs["absorbed"] - outs["naive"]).abs().max() < 1e-10
+    assert (outs["expand"] - outs["naive"]).abs().max() < 1e-10
+
+
+def test_routes_do_what_they_say():
+    """absorbed never up-projects the cache with W^UK / W^UV; expand does, over every cached token."""
+    model = _model()
+    attn = model.layers[0].attn
+    rows = []
+    attn.w_uk.register_forward_hook(lambda m, i, o: rows.append(i[0].shape[1]))
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, 10))
+    with torch.no_grad():
+        _decode(model, tokens, "absorbed")
+        assert rows == []
+        _decode(model, tokens, "expand")
+        assert rows == [6, 7, 8, 9, 10]  # the whole cache each step
+        rows.clear()
+        _decode(model, tokens, "auto", prefill=2)  # prefill expands; decode absorbs once 4 T <= cached
+        assert rows == [2, 3]
+
+
+def test_auto_prefers_absorbed_for_decode_only():
+    attn = _model(kv_lora_rank=64).layers[0].attn  # d_c = 64, d_h = 16: absorption cheaper while T < 21.3
+    assert attn.prefers_absorbed(1, 4096)
+    assert not attn.prefers_absorbed(512, 512)  # the first prefill
+    assert not attn.prefers_absorbed(64, 8192)  # a long chunk: expanding once is cheaper
+    assert not attn.prefers_absorbed(1, 3)
+
+
+def test_absorbed_weights_cached_and_refreshed():
+    model = _model()
+    attn = model.layers[1].attn
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 9))
+    with torch.no_grad():
+        first = attn.absorbed_weights()
+        assert attn.absorbed_weights() is first  # not rebuilt while nothing changed
+        cache = model.new_cache(2, 9)
+        model(tokens[:, :8], cache=cache, mode="absorbed")
+        assert attn.absorbed_weights() is first
+        attn.w_uk.weight.mul_(1.5)  # an in-place update, as an optimizer step does
+        attn.w_uv.weight.add_(0.01)
+        assert attn.absorbed_weights() is not first
+        assert torch.equal(attn.absorbed_weights().w_uk, attn.w_uk.weight.view(4, 16, -1))
+        step_abs = model(tokens[:, 8:], cache=cache, mode="absorbed")
+        full = model(tokens)[:, 8:]
+        assert (step_abs - full).abs().max() < 1e-10
+        model.to(torch.float32)  # new storage and dtype
+        assert attn.absorbed_weights().w_uk.dtype == torch.float32
+
+
+def test_absorbed_route_is_differentiable():
+    model = _model()
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, 7))
+    grads = {}
+    for mode in ("absorbed", "expand"):
+        model.zero_grad()
+        cache = model.new_cache(1, 7)
+        with torch.no_grad():
+            model(tokens[:, :6], cache=cache, mode=mode)
+        model(tokens[:, 6:], cache=cache, mode=mode).sum().backward()
+        grads[mode] = model.layers[1].attn.w_uk.weight.grad.clone()
+    assert grads["absorbed"].abs().sum() > 0
+    assert torch.allclose(grads["absorbed"], grads["expand"], atol=1e-10)
+
+
+@pytest.mark.parametrize("masked", ["ragged", "causal_chunk"])
+def test_latent_attention_fused_float32_matches_float64_math(masked):
+    """The float32 route (SDPA with the RoPE scores as additive mask) against the float64 plain matmuls."""
+    B, H, T, S, dc, dr = 3, 4, 3, 11, 32, 8
+    g = torch.Generator().manual_seed(1)
+    q, qr = torch.randn(B, H, T, dc, generator=g, dtype=torch.float64), torch.randn(B, H, T, dr, generator=g, dtype=torch.float64)
+    c, kr = torch.randn(B, S, dc, generator=g, dtype=torch.float64), torch.randn(B, S, dr, generator=g, dtype=torch.float64)
+    tokens = torch.zeros(B, T, dtype=torch.long)
+    step = Step.build(tokens, start=S - T, pad=torch.tensor([0, 2, 5]) if masked == "ragged" else None)
+    assert step.mask is not None
+    ref = latent_attention(q, qr, c, kr, c, step, 0.3)
+    fast = latent_attention(q.float(), qr.float(), c.float(), kr.float(), c.float(), step, 0.3)
+    assert (fast.double() - ref).abs().max() < 1e-5
+    causal = Step.build(torch.zeros(B, S, dtype=torch.long))  # prefill from empty: causal, no mask tensor
+    q2, qr2 = torch.randn(B, H, S, dc, dtype=torch.float64), torch.randn(B, H, S, dr, dtype=torch.float64)
+    ref = latent_attention(q2, qr2, c, kr, c, causal, 0.3)
+    fast = latent_attention(q2.float(), qr2.float(), c.float(), kr.float(), c.float(), causal, 0.3)
+    assert (fast.double() - ref).abs().max() < 1e-5
+    assert (ref[:, :, 0] - c[:, None, 0]).abs().max() < 1e-12  # the first token sees only itself
+
+
+def _paper_params(d, h, dh, dr, dc, dq):
+    """mlra.md Table 1, MLA row; with d'_c = 0 a plain W^Q of d x h (d_h + d_h^R)."""
+    q = dq * (d + h * dh + h * dr) if dq else d * h * (dh + dr)
+    return q + d * dr + dc * (d + 2 * h * dh) + d * h * dh
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"q_lora_rank": 24}, {"rope": False}, {"q_lora_rank": 40, "rope_head_dim": 16, "kv_lora_rank": 48}],
+)
+def test_parameter_count_equals_paper(overrides):
+    cfg = tiny_config("mla", **overrides)
+    attn = MLA(cfg, 0)
+    d, h, dh, dr, dc, dq = cfg.d_model, cfg.n_head, cfg.head_dim, cfg.rope_head_dim, cfg.kv_lora_rank, cfg.q_lora_rank
+    norms = dc + dq  # RMSNorm weights on c^KV and c^Q
+    assert sum(p.numel() for p in attn.parameters()) == _paper_params(d, h, dh, dr, dc, dq) + norms
+    # separate latents: a second down-projection and norm, W^UK / W^UV unchanged
+    sep = MLA(cfg.replace(kv_latent="separate"), 0)
+    assert sum(p.numel() for p in sep.parameters()) == _paper_params(d, h, dh, dr, dc, dq) + norms + dc * d + dc
+
+
+@pytest.mark.parametrize("overrides", [{}, {"rope": False}, {"kv_latent": "separate", "kv_lora_rank": 32}])
+def test_cache_bytes_are_latent_plus_rope_key(overrides):
+    model = _model(torch.float32, **overrides)
+    cfg = model.cfg
+    n_latent = 2 if cfg.kv_latent == "separate" else 1
+    per_layer = n_latent * cfg.kv_lora_rank + cfg.rope_head_dim  # d_c + d_h^R (2 r + d_h^R separate)
+    assert cfg.kv_cache_elements_per_token() == cfg.n_layer * per_layer
+    cache = model.new_cache(3, 10)
+    assert cache.nbytes == 3 * 10 * cfg.n_layer * per_layer * 4
+    assert set(cache.layers[0]) == ({"c_k", "c_v"} if n_latent == 2 else {"c_kv"}) | (
+        {"k_rope"} if cfg.rope_head_dim else set()
+    )
+    naive = model.new_cache(3, 10, naive=True)
+    h, dh, dr = cfg.n_head, cfg.head_dim, cfg.rope_head_dim
+    assert naive.nbytes == 3 * 10 * cfg.n_layer * h * (2 * dh + dr) * 4
+
+
+def test_small_lm_grid_r_equal_d_caches_what_mha_caches():
+    """mla-small-lm.md Table 2: r = d without RoPE caches as much as MHA, r = d/2 half of it."""
+    mha = tiny_config("mha").kv_cache_elements_per_token()
+    full = tiny_config("mla", kv_latent="separate", kv_lora_rank=64, rope=False)
+    half = tiny_config("mla", kv_latent="separate", kv_lora_rank=32, rope=False)
+    assert full.kv_cache_elements_per_token() == mha
+    assert half.kv_cache_elements_per_token() * 2 == mha
+
+
+def test_scale_and_scaling_factors():
+    cfg = tiny_config("mla", q_lora_rank=16, kv_lora_rank=32, latent_scaling=True)
+    attn = MLA(cfg, 0)
+    assert attn.scale == 1 / math.sqrt(cfg.head_dim + cfg.rope_head_dim)
+    assert attn.alpha_q == math.sqrt(64 / 16) and attn.alpha_kv == math.sqrt(64 / 32)
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        ({"kv_lora_rank": 65}, "kv_lora_rank=65 is larger than its input d_model=64"),
+        ({"kv_lora_rank": 128, "kv_latent": "separate"}, "kv_lora_rank=128"),
+        ({"q_lora_rank": 80}, "q_lora_rank=80"),
+        ({"rope_head_dim": 7}, "rope_head_dim must be even"),
+        ({"rope_head_dim": 32}, "rope_head_dim=32 is larger than head_dim=16"),
+        ({"kv_lora_rank": 0}, "kv_lora_rank"),
+    ],
+)
+def test_config_errors(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        tiny_config("mla", **overrides)
+
+
+def test_mode_and_cache_mismatch_is_a_clear_error():
+    model = _model()
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, 4))
+    with pytest.raises(CacheError, match="naive=True"):
+        model(tokens, cache=model.new_cache(1, 8), mode="naive")
+    with pytest.raises(CacheError, match="compact cache"):
+        model(tokens, cache=model.new_cache(1, 8, naive=True), mode="absorbed")
