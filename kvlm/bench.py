@@ -87,7 +87,18 @@ DEFAULTS = dict(
     repeats=3,
     bandwidth_mib=512,
 )
-SHAPE_FIELDS = ("n_layer", "d_model", "n_head", "head_dim", "n_kv_head", "vocab_size", "ffn_dim", "kv_lora_rank", "q_lora_rank", "rope_head_dim")
+SHAPE_FIELDS = (
+    "n_layer",
+    "d_model",
+    "n_head",
+    "head_dim",
+    "n_kv_head",
+    "vocab_size",
+    "ffn_dim",
+    "kv_lora_rank",
+    "q_lora_rank",
+    "rope_head_dim",
+)
 
 
 class BenchError(ValueError):
@@ -203,6 +214,17 @@ def machine_info(device: torch.device) -> dict[str, Any]:
     }
 
 
+def _best_time(fn, device: torch.device, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
 def measure_hardware(device: torch.device, mib: int = 512, repeats: int = 5) -> dict[str, float]:
     """Memory bandwidth (GB/s) and fp32 matmul throughput (GFLOP/s), best of ``repeats``.
 
@@ -211,25 +233,14 @@ def measure_hardware(device: torch.device, mib: int = 512, repeats: int = 5) -> 
     n = mib * 2**20 // 4
     src = torch.rand(n, device=device)
     dst = torch.empty_like(src)
-
-    def best(fn) -> float:
-        times = []
-        for _ in range(repeats):
-            _sync(device)
-            t0 = time.perf_counter()
-            fn()
-            _sync(device)
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
-    copy_gbs = 2 * n * 4 / best(lambda: dst.copy_(src)) / 1e9
-    read_gbs = n * 4 / best(lambda: src.sum()) / 1e9
-    del src, dst
+    copy_gbs = 2 * n * 4 / _best_time(lambda: dst.copy_(src), device, repeats) / 1e9
+    read_gbs = n * 4 / _best_time(lambda: src.sum(), device, repeats) / 1e9
+    src = dst = None  # free 2 x mib before the matmul
     m = 8192 if device.type == "cuda" else (2048 if mib >= 256 else 512)  # small buffers: a quick run
     a = torch.randn(m, m, device=device)
     b = torch.randn(m, m, device=device)
     a @ b  # warm-up
-    gflops = 2 * m**3 / best(lambda: a @ b) / 1e9
+    gflops = 2 * m**3 / _best_time(lambda: a @ b, device, repeats) / 1e9
     return {
         "copy_gbs": copy_gbs,
         "read_gbs": read_gbs,
@@ -247,7 +258,9 @@ class Variant:
     modes: list[str] = field(default_factory=lambda: ["auto"])
 
 
-def parse_variant(spec: str, shape: dict[str, Any], explicit: dict[str, Any] | None = None) -> tuple[str, ModelConfig]:
+def parse_variant(
+    spec: str, shape: dict[str, Any], explicit: dict[str, Any] | None = None
+) -> tuple[str, ModelConfig]:
     """``name`` or ``name:key=value:key=value``; name is an attention (built at ``shape``) or a preset
     (its own shape; the ``explicit`` shape fields given on the command line still override)."""
     from kvlm.attention import registry
@@ -266,7 +279,9 @@ def parse_variant(spec: str, shape: dict[str, Any], explicit: dict[str, Any] | N
             cfg = ModelConfig.from_preset(name)
         except (ImportError, ModuleNotFoundError, KeyError, ConfigError) as e:
             known = ", ".join(sorted(registry()))
-            raise BenchError(f"unknown variant {name!r}: not an attention ({known}) nor a preset ({e})") from e
+            raise BenchError(
+                f"unknown variant {name!r}: not an attention ({known}) nor a preset ({e})"
+            ) from e
         changes = {**(explicit or {}), **overrides}
         cfg = cfg.replace(**changes) if changes else cfg
     return spec.strip(), cfg
@@ -304,15 +319,50 @@ def streamed_weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def roofline(weight_bytes: int, kv_bytes: int, bandwidth_gbs: float, median_ms: float) -> dict[str, float]:
+def roofline(
+    weight_bytes: int, kv_bytes: int, hw: dict[str, float], median_ms: float, flops: int = 0
+) -> dict[str, float]:
+    """The decode step against the hardware: ``floor_ms`` = bytes that must be read / bandwidth (the
+    bandwidth roofline), ``compute_floor_ms`` = counted FLOPs / fp32 matmul throughput; a step cannot be
+    faster than either."""
     bytes_per_step = weight_bytes + kv_bytes
-    floor_ms = bytes_per_step / (bandwidth_gbs * 1e9) * 1e3
+    floor_ms = bytes_per_step / (hw["bandwidth_gbs"] * 1e9) * 1e3
+    compute_ms = flops / (hw["matmul_fp32_gflops"] * 1e9) * 1e3
     return {
         "bytes_per_step": bytes_per_step,
         "floor_ms": floor_ms,
         "roofline_ratio": median_ms / floor_ms,
         "achieved_gbs": bytes_per_step / (median_ms * 1e-3) / 1e9,
+        "flops_per_step": flops,
+        "compute_floor_ms": compute_ms,
+        "compute_ratio": median_ms / compute_ms if compute_ms else None,
     }
+
+
+def _sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    from torch.utils.flop_counter import sdpa_flop_count
+
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+class CountFlops:
+    """FLOPs of the ops run inside the block (torch's FlopCounterMode: matmuls and attention; elementwise
+    work is not counted), with the fused CPU attention kernel, which torch's table lacks, counted as SDPA."""
+
+    def __enter__(self) -> CountFlops:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        extra = {}
+        cpu_flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+        if cpu_flash is not None:
+            extra[cpu_flash.default] = _sdpa_flops
+        self._mode = FlopCounterMode(display=False, custom_mapping=extra)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._mode.__exit__(*exc)
+        self.total = self._mode.get_total_flops()
 
 
 # --- kvlm measurements ------------------------------------------------------------------------------
@@ -354,10 +404,12 @@ def bench_decode(model: KVLM, batch: int, context: int, mode: str, warmup: int, 
     """Per-token decode latency with ``context`` tokens cached (greedy next token, as generate does)."""
     device = model.embed.weight.device
     with PeakMemory(device) as mem:
-        cache = model.new_cache(batch, context + warmup + steps, naive=(mode == "naive"))
+        cache = model.new_cache(batch, context + 1 + warmup + steps, naive=(mode == "naive"))
         fill_cache(cache, context, model.cfg.vocab_size)
         kv_bytes = cache.nbytes_used
         tok = torch.randint(0, model.cfg.vocab_size, (batch, 1), device=device)
+        with CountFlops() as flops:  # an untimed first step, counted
+            tok = model(tok, cache=cache, mode=mode, last_only=True).argmax(-1)
         times = []
         for i in range(warmup + steps):
             _sync(device)
@@ -370,13 +422,21 @@ def bench_decode(model: KVLM, batch: int, context: int, mode: str, warmup: int, 
         del cache
     row = summarize(times)
     row["tokens_per_s"] = batch / (row["median_ms"] * 1e-3)
-    row.update(kv_cache_bytes=kv_bytes, kv_allocated_bytes=allocated, peak_mem_bytes=mem.peak, peak_extra_bytes=mem.extra)
+    row.update(
+        kv_cache_bytes=kv_bytes,
+        kv_allocated_bytes=allocated,
+        peak_mem_bytes=mem.peak,
+        peak_extra_bytes=mem.extra,
+        flops_per_step=flops.total,
+    )
     return row
 
 
 # --- peer measurements ------------------------------------------------------------------------------------
 @torch.inference_mode()
-def bench_peer_prefill(peer, batch: int, prompt: int, vocab_size: int, device, warmup: int, repeats: int) -> dict:
+def bench_peer_prefill(
+    peer, batch: int, prompt: int, vocab_size: int, device, warmup: int, repeats: int
+) -> dict:
     tokens = torch.randint(0, vocab_size, (batch, prompt), device=device)
     times = []
     with PeakMemory(device) as mem:
@@ -397,11 +457,15 @@ def bench_peer_prefill(peer, batch: int, prompt: int, vocab_size: int, device, w
 
 
 @torch.inference_mode()
-def bench_peer_decode(peer, batch: int, context: int, vocab_size: int, device, warmup: int, steps: int) -> dict:
+def bench_peer_decode(
+    peer, batch: int, context: int, vocab_size: int, device, warmup: int, steps: int
+) -> dict:
     with PeakMemory(device) as mem:
         cache = peer.synthetic_cache(batch, context)
         kv_bytes = peer.cache_nbytes(cache)
         tok = torch.randint(0, vocab_size, (batch, 1), device=device)
+        with CountFlops() as flops:  # an untimed first step, counted
+            tok = peer.forward(tok, cache, last_only=True)[:, -1].argmax(-1, keepdim=True)
         times = []
         for i in range(warmup + steps):
             _sync(device)
@@ -413,7 +477,12 @@ def bench_peer_decode(peer, batch: int, context: int, vocab_size: int, device, w
         del cache
     row = summarize(times)
     row["tokens_per_s"] = batch / (row["median_ms"] * 1e-3)
-    row.update(kv_cache_bytes=kv_bytes, peak_mem_bytes=mem.peak, peak_extra_bytes=mem.extra)
+    row.update(
+        kv_cache_bytes=kv_bytes,
+        peak_mem_bytes=mem.peak,
+        peak_extra_bytes=mem.extra,
+        flops_per_step=flops.total,
+    )
     return row
 
 
@@ -466,7 +535,6 @@ def run(plan: Plan, log=print) -> dict[str, Any]:
     log(f"measuring memory bandwidth ({plan.bandwidth_mib} MiB buffers) and matmul throughput ...")
     hw = measure_hardware(device, plan.bandwidth_mib)
     result["hardware"] = hw
-    bw = hw["bandwidth_gbs"]
     log(
         f"  copy {hw['copy_gbs']:.1f} GB/s, read {hw['read_gbs']:.1f} GB/s, fp32 matmul "
         f"{hw['matmul_fp32_gflops']:.0f} GFLOP/s"
@@ -489,27 +557,58 @@ def run(plan: Plan, log=print) -> dict[str, Any]:
             "naive_kv_bytes_per_token": sum(_numel(s) for s in model.cache_specs(naive=True)) * elt,
             "modes": variant.modes,
         }
-        log(f"{variant.label}: {model.parameter_counts()['total'] / 1e6:.1f}M parameters, "
-            f"{models[variant.label]['kv_bytes_per_token']} KV bytes/token")
+        log(
+            f"{variant.label}: {model.parameter_counts()['total'] / 1e6:.1f}M parameters, "
+            f"{models[variant.label]['kv_bytes_per_token']} KV bytes/token"
+        )
         for mode in variant.modes:
             pmode = "naive" if mode == "naive" else "auto"  # prefill takes the fast route of its cache
             for b in plan.batch:
                 for p in plan.prompt:
-                    if any(r["variant"] == variant.label and r["mode"] == pmode and r["batch"] == b and r["prompt"] == p
-                           for r in prefill):
+                    if any(
+                        r["variant"] == variant.label
+                        and r["mode"] == pmode
+                        and r["batch"] == b
+                        and r["prompt"] == p
+                        for r in prefill
+                    ):
                         continue
                     row = bench_prefill(model, b, p, pmode, 1, plan.repeats)
-                    prefill.append({"impl": "kvlm", "variant": variant.label, "mode": pmode, "batch": b, "prompt": p, **row})
+                    prefill.append(
+                        {
+                            "impl": "kvlm",
+                            "variant": variant.label,
+                            "mode": pmode,
+                            "batch": b,
+                            "prompt": p,
+                            **row,
+                        }
+                    )
                     log(f"  prefill {pmode:8s} B={b:<3d} T={p:<6d} {row['median_ms']:9.2f} ms")
                 for c in plan.context:
                     row = bench_decode(model, b, c, mode, plan.warmup, plan.steps)
-                    row.update(roofline(weight_bytes, row["kv_cache_bytes"], bw, row["median_ms"]))
-                    decode.append({"impl": "kvlm", "variant": variant.label, "mode": mode, "batch": b, "context": c, **row})
-                    log(f"  decode  {mode:8s} B={b:<3d} L={c:<6d} {row['median_ms']:9.2f} ms/token "
+                    row.update(
+                        roofline(
+                            weight_bytes, row["kv_cache_bytes"], hw, row["median_ms"], row["flops_per_step"]
+                        )
+                    )
+                    decode.append(
+                        {
+                            "impl": "kvlm",
+                            "variant": variant.label,
+                            "mode": mode,
+                            "batch": b,
+                            "context": c,
+                            **row,
+                        }
+                    )
+                    log(
+                        f"  decode  {mode:8s} B={b:<3d} L={c:<6d} {row['median_ms']:9.2f} ms/token "
                         f"(floor {row['floor_ms']:.2f} ms, x{row['roofline_ratio']:.2f}), "
-                        f"peak +{row['peak_extra_bytes'] / 2**20:.0f} MiB")
+                        f"peak +{row['peak_extra_bytes'] / 2**20:.0f} MiB"
+                    )
         if plan.peers:
-            peers.append(_run_peer(variant.label, model, plan, weight_bytes, bw, prefill, decode, log))
+            peers.append(_run_peer(variant.label, model, plan, weight_bytes, hw, prefill, decode, log))
         del model
         gc.collect()
     result.update(models=models, prefill=prefill, decode=decode, peers=peers)
@@ -524,7 +623,7 @@ def _numel(spec: dict[str, tuple[int, ...]]) -> int:
     return n(spec)
 
 
-def _run_peer(label, model, plan: Plan, weight_bytes, bw, prefill, decode, log) -> dict:
+def _run_peer(label, model, plan: Plan, weight_bytes, hw, prefill, decode, log) -> dict:
     from kvlm.peers import PeerUnavailable, build_peer, max_logit_diff
 
     info: dict[str, Any] = {"variant": label}
@@ -542,7 +641,9 @@ def _run_peer(label, model, plan: Plan, weight_bytes, bw, prefill, decode, log) 
     diff = max_logit_diff(model, peer, tokens, decode_steps=2)
     tol = agreement_tolerance(plan.dtype)
     info.update(max_logit_diff=diff, logit_scale=scale, tolerance=tol, agree=diff <= tol * max(1.0, scale))
-    log(f"  peer {peer.name} ({peer.attn_implementation}): max |logit diff| {diff:.2e} (logits up to {scale:.2f})")
+    log(
+        f"  peer {peer.name} ({peer.attn_implementation}): max |logit diff| {diff:.2e} (logits up to {scale:.2f})"
+    )
     if not info["agree"]:
         info["skipped"] = "logits disagree with kvlm: not timed"
         log("  peer logits disagree: not timed")
@@ -555,10 +656,14 @@ def _run_peer(label, model, plan: Plan, weight_bytes, bw, prefill, decode, log) 
             log(f"  prefill {'peer':8s} B={b:<3d} T={p:<6d} {row['median_ms']:9.2f} ms")
         for c in plan.context:
             row = bench_peer_decode(peer, b, c, model.cfg.vocab_size, device, plan.warmup, plan.steps)
-            row.update(roofline(weight_bytes, row["kv_cache_bytes"], bw, row["median_ms"]))
+            row.update(
+                roofline(weight_bytes, row["kv_cache_bytes"], hw, row["median_ms"], row["flops_per_step"])
+            )
             decode.append({"impl": impl, "variant": label, "mode": "hf", "batch": b, "context": c, **row})
-            log(f"  decode  {'peer':8s} B={b:<3d} L={c:<6d} {row['median_ms']:9.2f} ms/token "
-                f"(floor {row['floor_ms']:.2f} ms, x{row['roofline_ratio']:.2f})")
+            log(
+                f"  decode  {'peer':8s} B={b:<3d} L={c:<6d} {row['median_ms']:9.2f} ms/token "
+                f"(floor {row['floor_ms']:.2f} ms, x{row['roofline_ratio']:.2f})"
+            )
     del peer
     gc.collect()
     return info
@@ -573,11 +678,19 @@ def peer_ratios(decode: list[dict], prefill: list[dict]) -> list[dict]:
             p = peer.get((r["variant"], r["batch"], r[key]))
             if r["impl"] != "kvlm" or p is None:
                 continue
-            out.append({
-                "kind": kind, "variant": r["variant"], "mode": r["mode"], "batch": r["batch"], key: r[key],
-                "peer": p["impl"], "kvlm_ms": r["median_ms"], "peer_ms": p["median_ms"],
-                "speedup": p["median_ms"] / r["median_ms"],
-            })
+            out.append(
+                {
+                    "kind": kind,
+                    "variant": r["variant"],
+                    "mode": r["mode"],
+                    "batch": r["batch"],
+                    key: r[key],
+                    "peer": p["impl"],
+                    "kvlm_ms": r["median_ms"],
+                    "peer_ms": p["median_ms"],
+                    "speedup": p["median_ms"] / r["median_ms"],
+                }
+            )
     return out
 
 
@@ -589,8 +702,13 @@ def targets(result: dict) -> list[dict]:
 
     def find(variant, mode, batch, context, impl="kvlm"):
         for r in decode:
-            if (r["impl"] == impl or (impl == "peer" and r["impl"] != "kvlm")) and r["variant"] == variant \
-                    and r["mode"] == mode and r["batch"] == batch and r["context"] == context:
+            if (
+                (r["impl"] == impl or (impl == "peer" and r["impl"] != "kvlm"))
+                and r["variant"] == variant
+                and r["mode"] == mode
+                and r["batch"] == batch
+                and r["context"] == context
+            ):
                 return r
         return None
 
@@ -599,25 +717,55 @@ def targets(result: dict) -> list[dict]:
         if attn[r["variant"]] == "mla" and r["mode"] == "absorbed" and r["context"] >= 1024:
             n = find(r["variant"], "naive", r["batch"], r["context"])
             if n:
-                out.append(_target("absorbed MLA decode faster than naive (>= 1K context)", r, n["median_ms"] / r["median_ms"], 1.0))
+                out.append(
+                    _target(
+                        "absorbed MLA decode faster than naive (>= 1K context)",
+                        r,
+                        n["median_ms"] / r["median_ms"],
+                        1.0,
+                    )
+                )
     for r in kv:  # 2. kvlm MLA faster than transformers' DeepseekV3 from 2K context
         if attn[r["variant"]] == "mla" and r["mode"] in ("auto", "absorbed") and r["context"] >= 2048:
             p = find(r["variant"], "hf", r["batch"], r["context"], impl="peer")
             if p:
-                out.append(_target("kvlm MLA decode faster than transformers DeepseekV3 (>= 2K context)", r,
-                                   p["median_ms"] / r["median_ms"], 1.0))
+                out.append(
+                    _target(
+                        "kvlm MLA decode faster than transformers DeepseekV3 (>= 2K context)",
+                        r,
+                        p["median_ms"] / r["median_ms"],
+                        1.0,
+                    )
+                )
     longest = max((r["context"] for r in kv), default=0)
     for r in kv:  # 4. decode at long context within 2x of the bandwidth roofline
-        if attn[r["variant"]] in ("mha", "gqa", "mqa", "mla") and r["context"] == longest and r["mode"] != "naive":
-            out.append(_target("decode within 2x of the bandwidth roofline (longest context)", r,
-                               2.0 / r["roofline_ratio"], 1.0, shown=r["roofline_ratio"], shown_name="measured/floor"))
+        if (
+            attn[r["variant"]] in ("mha", "gqa", "mqa", "mla")
+            and r["context"] == longest
+            and r["mode"] != "naive"
+        ):
+            out.append(
+                _target(
+                    "decode within 2x of the bandwidth roofline (longest context)",
+                    r,
+                    2.0 / r["roofline_ratio"],
+                    1.0,
+                    shown=r["roofline_ratio"],
+                    shown_name="measured/floor",
+                )
+            )
     return out
 
 
 def _target(claim, r, margin, need, shown=None, shown_name="speed-up"):
     return {
-        "claim": claim, "variant": r["variant"], "mode": r["mode"], "batch": r["batch"], "context": r["context"],
-        shown_name: margin if shown is None else shown, "met": margin >= need,
+        "claim": claim,
+        "variant": r["variant"],
+        "mode": r["mode"],
+        "batch": r["batch"],
+        "context": r["context"],
+        shown_name: margin if shown is None else shown,
+        "met": margin >= need,
     }
 
 
@@ -640,42 +788,75 @@ def markdown(result: dict) -> str:
         "|---|---:|---:|---:|---:|",
     ]
     for label, m in result["models"].items():
-        lines.append(f"| {label} | {m['parameters']['total'] / 1e6:.1f} | {_mib(m['streamed_weight_bytes'])} | "
-                     f"{m['kv_bytes_per_token']} | {m['naive_kv_bytes_per_token']} |")
-    lines += ["", "Decode (per token, median of the timed steps; spread = IQR):", "",
-              "| variant | impl | mode | batch | context | ms/token | IQR ms | tokens/s | KV MiB | peak +MiB | floor ms | x floor |",
-              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines.append(
+            f"| {label} | {m['parameters']['total'] / 1e6:.1f} | {_mib(m['streamed_weight_bytes'])} | "
+            f"{m['kv_bytes_per_token']} | {m['naive_kv_bytes_per_token']} |"
+        )
+    lines += [
+        "",
+        "Decode (per token, median of the timed steps; spread = IQR):",
+        "",
+        "| variant | impl | mode | batch | context | ms/token | IQR ms | tokens/s | KV MiB | peak +MiB | "
+        "bandwidth floor ms | x floor | GFLOP/step | compute floor ms |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in sorted(result["decode"], key=lambda r: (r["batch"], r["context"])):
         lines.append(
             f"| {r['variant']} | {r['impl']} | {r['mode']} | {r['batch']} | {r['context']} | {r['median_ms']:.2f} | "
             f"{r['iqr_ms']:.2f} | {r['tokens_per_s']:.1f} | {_mib(r['kv_cache_bytes'])} | {_mib(r['peak_extra_bytes'])} | "
-            f"{r['floor_ms']:.2f} | {r['roofline_ratio']:.2f} |"
+            f"{r['floor_ms']:.2f} | {r['roofline_ratio']:.2f} | {r['flops_per_step'] / 1e9:.2f} | "
+            f"{r['compute_floor_ms']:.2f} |"
         )
-    lines += ["", "Prefill (median of repeats):", "",
-              "| variant | impl | mode | batch | prompt | ms | IQR ms | tokens/s | peak +MiB |",
-              "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines += [
+        "",
+        "Prefill (median of repeats):",
+        "",
+        "| variant | impl | mode | batch | prompt | ms | IQR ms | tokens/s | peak +MiB |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for r in sorted(result["prefill"], key=lambda r: (r["batch"], r["prompt"])):
-        lines.append(f"| {r['variant']} | {r['impl']} | {r['mode']} | {r['batch']} | {r['prompt']} | {r['median_ms']:.1f} | "
-                     f"{r['iqr_ms']:.1f} | {r['tokens_per_s']:.0f} | {_mib(r['peak_extra_bytes'])} |")
+        lines.append(
+            f"| {r['variant']} | {r['impl']} | {r['mode']} | {r['batch']} | {r['prompt']} | {r['median_ms']:.1f} | "
+            f"{r['iqr_ms']:.1f} | {r['tokens_per_s']:.0f} | {_mib(r['peak_extra_bytes'])} |"
+        )
     if result["peers"]:
-        lines += ["", "| variant | peer | attention kernel | max abs logit diff | agree | note |", "|---|---|---|---:|---|---|"]
+        lines += [
+            "",
+            "| variant | peer | attention kernel | max abs logit diff | agree | note |",
+            "|---|---|---|---:|---|---|",
+        ]
         for p in result["peers"]:
             diff = f"{p['max_logit_diff']:.1e}" if "max_logit_diff" in p else "-"
-            lines.append(f"| {p['variant']} | {p.get('peer') or '-'} | {p.get('attn_implementation', '-')} | {diff} | "
-                         f"{p.get('agree', '-')} | {p.get('skipped', '')} |")
+            lines.append(
+                f"| {p['variant']} | {p.get('peer') or '-'} | {p.get('attn_implementation', '-')} | {diff} | "
+                f"{p.get('agree', '-')} | {p.get('skipped', '')} |"
+            )
     if result["ratios"]:
-        lines += ["", "kvlm speed-up over transformers (peer time / kvlm time):", "",
-                  "| kind | variant | kvlm mode | batch | length | kvlm ms | peer ms | speed-up |", "|---|---|---|---:|---:|---:|---:|---:|"]
+        lines += [
+            "",
+            "kvlm speed-up over transformers (peer time / kvlm time):",
+            "",
+            "| kind | variant | kvlm mode | batch | length | kvlm ms | peer ms | speed-up |",
+            "|---|---|---|---:|---:|---:|---:|---:|",
+        ]
         for r in result["ratios"]:
             length = r.get("context", r.get("prompt"))
-            lines.append(f"| {r['kind']} | {r['variant']} | {r['mode']} | {r['batch']} | {length} | {r['kvlm_ms']:.2f} | "
-                         f"{r['peer_ms']:.2f} | {r['speedup']:.2f}x |")
+            lines.append(
+                f"| {r['kind']} | {r['variant']} | {r['mode']} | {r['batch']} | {length} | {r['kvlm_ms']:.2f} | "
+                f"{r['peer_ms']:.2f} | {r['speedup']:.2f}x |"
+            )
     if result["targets"]:
-        lines += ["", "| claim | variant | mode | batch | context | value | met |", "|---|---|---|---:|---:|---:|---|"]
+        lines += [
+            "",
+            "| claim | variant | mode | batch | context | value | met |",
+            "|---|---|---|---:|---:|---:|---|",
+        ]
         for t in result["targets"]:
             value = t.get("speed-up", t.get("measured/floor"))
-            lines.append(f"| {t['claim']} | {t['variant']} | {t['mode']} | {t['batch']} | {t['context']} | "
-                         f"{value:.2f} | {'yes' if t['met'] else 'NO'} |")
+            lines.append(
+                f"| {t['claim']} | {t['variant']} | {t['mode']} | {t['batch']} | {t['context']} | "
+                f"{value:.2f} | {'yes' if t['met'] else 'NO'} |"
+            )
     return "\n".join(lines)
 
 
@@ -705,7 +886,9 @@ def plot(result: dict, path: str | Path) -> None:
         ax.grid(True, which="both", alpha=0.3)
     ax1.legend(fontsize=7)
     s = result["settings"]
-    fig.suptitle(f"kvlm bench ({result.get('suite') or 'custom'}): {s['dtype']} on {result['machine']['cpu']}")
+    fig.suptitle(
+        f"kvlm bench ({result.get('suite') or 'custom'}): {s['dtype']} on {result['machine']['cpu']}"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -713,11 +896,19 @@ def plot(result: dict, path: str | Path) -> None:
 
 # --- command line -------------------------------------------------------------------------------------------
 def add_arguments(p) -> None:
-    p.add_argument("--suite", choices=sorted(SUITES), help="a named benchmark; other options override its values")
-    p.add_argument("--variants", help="comma-separated attentions or presets, each optionally name:key=value:... "
-                   "(e.g. mha,gqa:n_kv_head=4,mla:kv_lora_rank=128)")
-    p.add_argument("--modes", help="decode modes for latent mechanisms: auto, naive (materialised K/V), absorbed, "
-                   "expand; comma-separated (others always use auto)")
+    p.add_argument(
+        "--suite", choices=sorted(SUITES), help="a named benchmark; other options override its values"
+    )
+    p.add_argument(
+        "--variants",
+        help="comma-separated attentions or presets, each optionally name:key=value:... "
+        "(e.g. mha,gqa:n_kv_head=4,mla:kv_lora_rank=128)",
+    )
+    p.add_argument(
+        "--modes",
+        help="decode modes for latent mechanisms: auto, naive (materialised K/V), absorbed, "
+        "expand; comma-separated (others always use auto)",
+    )
     p.add_argument("--batch", help="batch sizes, comma-separated")
     p.add_argument("--context", help="cached tokens before decoding, comma-separated")
     p.add_argument("--prompt", help="prefill prompt lengths, comma-separated")
@@ -725,7 +916,9 @@ def add_arguments(p) -> None:
     p.add_argument("--warmup", type=int, help="untimed decode steps before timing")
     p.add_argument("--repeats", type=int, help="timed prefills per measurement")
     for name in SHAPE_FIELDS:
-        p.add_argument(f"--{name.replace('_', '-')}", type=int, dest=name, help=f"model {name} (overrides the suite)")
+        p.add_argument(
+            f"--{name.replace('_', '-')}", type=int, dest=name, help=f"model {name} (overrides the suite)"
+        )
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (cuda if available)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
@@ -740,7 +933,11 @@ def add_arguments(p) -> None:
 
 def plan_from_args(args) -> Plan:
     suite = SUITES[args.suite] if args.suite else {}
-    get = lambda key: getattr(args, key, None) if getattr(args, key, None) is not None else suite.get(key, DEFAULTS.get(key))  # noqa: E731
+    get = lambda key: (
+        getattr(args, key, None)
+        if getattr(args, key, None) is not None
+        else suite.get(key, DEFAULTS.get(key))
+    )  # noqa: E731
     shape = dict(DEFAULTS["shape"]) if not args.suite else dict(suite["shape"])
     explicit = {name: getattr(args, name) for name in SHAPE_FIELDS if getattr(args, name, None) is not None}
     shape.update(explicit)
@@ -788,7 +985,11 @@ def main(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     plan = plan_from_args(args)
-    log = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else (lambda *a: print(*a, flush=True))
+    log = (
+        (lambda *a: print(*a, file=sys.stderr, flush=True))
+        if args.json
+        else (lambda *a: print(*a, flush=True))
+    )
     result = run(plan, log)
     result["arguments"] = {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "command"}
     table = markdown(result)

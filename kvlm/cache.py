@@ -43,12 +43,16 @@ class KVCache:
             bufs = {}
             for name, shape in spec.items():
                 *lead, last = shape
-                bufs[name] = torch.zeros(batch_size, *lead, max_seq_len, last, dtype=dtype, device=self.device)
+                bufs[name] = torch.zeros(
+                    batch_size, *lead, max_seq_len, last, dtype=dtype, device=self.device
+                )
             self.layers.append(bufs)
         # token ids of every cached slot, for mechanisms that rebuild K/V from the token (eg-mla);
         # one int per token for the whole model, not per layer, so not KV accounting.
         self.token_ids = (
-            torch.zeros(batch_size, max_seq_len, dtype=torch.long, device=self.device) if store_token_ids else None
+            torch.zeros(batch_size, max_seq_len, dtype=torch.long, device=self.device)
+            if store_token_ids
+            else None
         )
         self.length = 0  # slots filled (shared by the batch)
         self.pad = torch.zeros(batch_size, dtype=torch.long, device=self.device)
@@ -66,7 +70,12 @@ class KVCache:
     @property
     def nbytes_used(self) -> int:
         """Bytes of the filled slots: batch_size * length tokens."""
-        return self.batch_size * self.length * self.elements_per_token * torch.empty((), dtype=self.dtype).element_size()
+        return (
+            self.batch_size
+            * self.length
+            * self.elements_per_token
+            * torch.empty((), dtype=self.dtype).element_size()
+        )
 
     @property
     def seq_lengths(self) -> torch.Tensor:
@@ -91,7 +100,9 @@ class KVCache:
 
     def check_append(self, batch_size: int, n_new: int, dtype: torch.dtype, device: torch.device) -> None:
         if batch_size != self.batch_size:
-            raise CacheError(f"batch of {batch_size} sequences does not match the cache's batch_size={self.batch_size}")
+            raise CacheError(
+                f"batch of {batch_size} sequences does not match the cache's batch_size={self.batch_size}"
+            )
         if self.length + n_new > self.max_seq_len:
             raise CacheError(
                 f"cache full: {self.length} cached + {n_new} new tokens exceed max_seq_len={self.max_seq_len}"
@@ -99,7 +110,9 @@ class KVCache:
         if torch.device(device).type != self.device.type:
             raise CacheError(f"inputs on {device} but the cache is on {self.device}")
         if dtype != self.dtype:
-            raise CacheError(f"model computes in {dtype} but the cache holds {self.dtype}; build it with dtype={dtype}")
+            raise CacheError(
+                f"model computes in {dtype} but the cache holds {self.dtype}; build it with dtype={dtype}"
+            )
 
     def __repr__(self) -> str:
         return (

@@ -10,7 +10,10 @@ import sys
 
 # verb -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "prepare": ("kvlm.data", "tokenize text (local files, a HF dataset, or built-in synthetic stories) into shards"),
+    "prepare": (
+        "kvlm.data",
+        "tokenize text (local files, a HF dataset, or built-in synthetic stories) into shards",
+    ),
     "train": ("kvlm.train", "train a model from a preset or YAML config"),
     "eval": ("kvlm.evaluate", "perplexity, repetition and lm-eval tasks for a checkpoint"),
     "generate": ("kvlm.generate", "stream text from a checkpoint"),

@@ -20,7 +20,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +68,9 @@ def _tiny() -> tuple[list[Variant], str]:
     from kvlm.presets import get_preset
 
     names = ["mha", "gqa", "mla", "mla-norope", "eg-mla", "mlra-4"]
-    return [Variant(n, get_preset(f"tiny/{n}")) for n in names], "tiny models (kvlm presets tiny/*), FFN width matched to tiny/mha"
+    return [
+        Variant(n, get_preset(f"tiny/{n}")) for n in names
+    ], "tiny models (kvlm presets tiny/*), FFN width matched to tiny/mha"
 
 
 def _small_lm(paper_sizes: bool) -> tuple[list[Variant], str]:
@@ -100,7 +102,9 @@ def _small_lm(paper_sizes: bool) -> tuple[list[Variant], str]:
                 rope_head_dim=(d // base["n_head"]) // 2 if rope else 0,
                 **base,
             )
-            label = f"mla{'+rope' if rope else ''}-r=d/{div}" if div > 1 else f"mla{'+rope' if rope else ''}-r=d"
+            label = (
+                f"mla{'+rope' if rope else ''}-r=d/{div}" if div > 1 else f"mla{'+rope' if rope else ''}-r=d"
+            )
             out.append(Variant(label, match_ffn_dim(cfg, ref)))
     return out, note
 
@@ -122,8 +126,18 @@ def _eg_mla(paper_sizes: bool) -> tuple[list[Variant], str]:
         cfg = ModelConfig(attention="eg-mla", kv_lora_rank=max(1, kv // scale), kv_emb_dim=emb, **base)
         out.append(Variant(f"eg-mla-kv{kv}", cfg))
     kv64 = max(1, 64 // scale)
-    out.append(Variant("eg-mla-kv64-noLN", ModelConfig(attention="eg-mla", kv_lora_rank=kv64, kv_emb_dim=emb, eg_norm=False, **base)))
-    out.append(Variant("eg-mla-kv64-add", ModelConfig(attention="eg-mla", kv_lora_rank=kv64, kv_emb_dim=emb, eg_op="add", **base)))
+    out.append(
+        Variant(
+            "eg-mla-kv64-noLN",
+            ModelConfig(attention="eg-mla", kv_lora_rank=kv64, kv_emb_dim=emb, eg_norm=False, **base),
+        )
+    )
+    out.append(
+        Variant(
+            "eg-mla-kv64-add",
+            ModelConfig(attention="eg-mla", kv_lora_rank=kv64, kv_emb_dim=emb, eg_op="add", **base),
+        )
+    )
     return out, note + " (labels keep the paper's kv sizes)"
 
 
@@ -133,7 +147,9 @@ def _mlra(paper_sizes: bool) -> tuple[list[Variant], str]:
 
     names = ["mha", "mqa", "gqa", "mla", "mfa", "tpa", "gla-2", "gla-4", "gta", "mlra-2", "mlra-4"]
     if paper_sizes:
-        return [Variant(n, get_preset(f"mlra-2.9b/{n}")) for n in names], "paper sizes: 2.9B (mlra.md Tables 7-17)"
+        return [
+            Variant(n, get_preset(f"mlra-2.9b/{n}")) for n in names
+        ], "paper sizes: 2.9B (mlra.md Tables 7-17)"
     ref = get_preset("tiny/mha")
     return [Variant(n, match_ffn_dim(get_preset(f"tiny/{n}"), ref)) for n in names], (
         "tiny models (kvlm presets tiny/*), FFN width matched to tiny/mha as mlra.md Appendix F does at 2.9B"
@@ -148,7 +164,9 @@ COMPARE_PRESETS = {
 }
 
 
-def load_variants(preset: str | None, variants_file: str | None, paper_sizes: bool = False) -> tuple[list[Variant], str]:
+def load_variants(
+    preset: str | None, variants_file: str | None, paper_sizes: bool = False
+) -> tuple[list[Variant], str]:
     if variants_file:
         return _load_list(variants_file), f"variants from {variants_file}"
     if preset not in COMPARE_PRESETS:
@@ -187,7 +205,9 @@ def _load_list(path: str) -> list[Variant]:
 
 
 def _config_hash(cfg: ModelConfig, budget: Budget, seed: int, data_id: str) -> str:
-    blob = json.dumps({"cfg": cfg.to_dict(), "budget": budget.__dict__, "seed": seed, "data": data_id}, sort_keys=True)
+    blob = json.dumps(
+        {"cfg": cfg.to_dict(), "budget": budget.__dict__, "seed": seed, "data": data_id}, sort_keys=True
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -197,14 +217,20 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def run_variant(variant: Variant, data, budget: Budget, seed: int, out_dir: Path, contexts: list[int], log) -> dict:
+def run_variant(
+    variant: Variant, data, budget: Budget, seed: int, out_dir: Path, contexts: list[int], log
+) -> dict:
     """Train one variant, then measure it. Returns the result dict (also stored as result.json)."""
     from kvlm.evaluate import perplexity, repetition_metrics
     from kvlm.generate import generate
     from kvlm.model import count_parameters
     from kvlm.train import TrainConfig, train
 
-    cfg = variant.cfg.replace(vocab_size=data.vocab_size) if variant.cfg.vocab_size != data.vocab_size else variant.cfg
+    cfg = (
+        variant.cfg.replace(vocab_size=data.vocab_size)
+        if variant.cfg.vocab_size != data.vocab_size
+        else variant.cfg
+    )
     run_dir = out_dir / "runs" / variant.label / f"seed{seed}"
     run_dir.mkdir(parents=True, exist_ok=True)
     tcfg = TrainConfig(
@@ -259,15 +285,24 @@ def _samples(model, tokenizer, generate, seed: int) -> list[dict]:
     out = []
     for i, prompt in enumerate(PROMPTS):
         ids = tokenizer.encode(prompt)
-        gen = generate(model, ids, max_new_tokens=48, temperature=0.8, top_k=50, seed=seed * 1000 + i,
-                       stop_tokens=[tokenizer.eos_id])
+        gen = generate(
+            model,
+            ids,
+            max_new_tokens=48,
+            temperature=0.8,
+            top_k=50,
+            seed=seed * 1000 + i,
+            stop_tokens=[tokenizer.eos_id],
+        )
         new = gen[0] if gen and isinstance(gen[0], list) else gen
         out.append({"prompt": prompt, "ids": list(new), "text": tokenizer.decode(list(new))})
     return out
 
 
 @torch.no_grad()
-def measure_speed(model, contexts: list[int], batch_size: int = 1, decode_steps: int = 16, repeats: int = 3) -> dict:
+def measure_speed(
+    model, contexts: list[int], batch_size: int = 1, decode_steps: int = 16, repeats: int = 3
+) -> dict:
     """Prefill latency of a 128-token prompt and decode tokens/s after `context` cached tokens (batch 1),
     medians over repeats. Random tokens: speed does not depend on what is decoded."""
     cfg = model.cfg
@@ -287,14 +322,22 @@ def measure_speed(model, contexts: list[int], batch_size: int = 1, decode_steps:
         runs = []
         for _ in range(repeats):
             cache = model.new_cache(batch_size, ctx + decode_steps)
-            model(torch.randint(0, cfg.vocab_size, (batch_size, ctx), generator=g).to(dev), cache=cache, last_only=True)
+            model(
+                torch.randint(0, cfg.vocab_size, (batch_size, ctx), generator=g).to(dev),
+                cache=cache,
+                last_only=True,
+            )
             tok = torch.zeros(batch_size, 1, dtype=torch.long, device=dev)
             t0 = time.perf_counter()
             for _ in range(decode_steps):
                 tok = model(tok, cache=cache).argmax(-1)
             runs.append(batch_size * decode_steps / (time.perf_counter() - t0))
         decode[str(ctx)] = statistics.median(runs)
-    return {"prefill_ms": 1e3 * statistics.median(times), "prefill_tokens": int(prompt.shape[1]), "decode_tokens_per_s": decode}
+    return {
+        "prefill_ms": 1e3 * statistics.median(times),
+        "prefill_tokens": int(prompt.shape[1]),
+        "decode_tokens_per_s": decode,
+    }
 
 
 # --- aggregation and report ------------------------------------------------------------------------------
@@ -323,7 +366,9 @@ def aggregate(results: list[dict]) -> list[dict]:
             "prefill_ms": statistics.fmean([r["prefill_ms"] for r in rs]),
             "train_tokens_per_s": statistics.fmean([r["train_tokens_per_s"] for r in rs]),
             "decode_tokens_per_s": {
-                ctx: statistics.fmean([r["decode_tokens_per_s"][ctx] for r in rs if ctx in r["decode_tokens_per_s"]])
+                ctx: statistics.fmean(
+                    [r["decode_tokens_per_s"][ctx] for r in rs if ctx in r["decode_tokens_per_s"]]
+                )
                 for ctx in rs[0]["decode_tokens_per_s"]
             },
             "distinct_2": _mean_of(r["repetition"].get("distinct_2") for r in rs),
@@ -374,23 +419,55 @@ def _mark_pareto(rows: list[dict]) -> None:
 
 def write_outputs(out: Path, rows: list[dict], results: list[dict], meta: dict) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
-    paths = {k: out / v for k, v in {
-        "results_json": "results.json", "results_csv": "results.csv", "report": "report.md",
-        "pareto_png": "pareto.png", "loss_curves_png": "loss_curves.png", "decode_png": "decode_speed.png",
-    }.items()}
-    _atomic_write(paths["results_json"], json.dumps({"meta": meta, "variants": rows, "runs": results}, indent=2, default=str))
+    paths = {
+        k: out / v
+        for k, v in {
+            "results_json": "results.json",
+            "results_csv": "results.csv",
+            "report": "report.md",
+            "pareto_png": "pareto.png",
+            "loss_curves_png": "loss_curves.png",
+            "decode_png": "decode_speed.png",
+        }.items()
+    }
+    _atomic_write(
+        paths["results_json"],
+        json.dumps({"meta": meta, "variants": rows, "runs": results}, indent=2, default=str),
+    )
     ctxs = sorted({c for r in rows for c in r["decode_tokens_per_s"]}, key=int)
-    cols = ["label", "attention", "params_total", "params_activated", "params_embedding", "kv_elements_per_token",
-            "kv_bytes_per_token", "kv_reduction_vs_first_mha", "val_loss", "val_loss_std", "val_perplexity",
-            "val_loss_delta_pct", "within_noise_of_best", "pareto", "prefill_ms", "train_tokens_per_s",
-            "distinct_2", "repeated_4gram_rate"] + [f"decode_tok_s@{c}" for c in ctxs]
+    cols = [
+        "label",
+        "attention",
+        "params_total",
+        "params_activated",
+        "params_embedding",
+        "kv_elements_per_token",
+        "kv_bytes_per_token",
+        "kv_reduction_vs_first_mha",
+        "val_loss",
+        "val_loss_std",
+        "val_perplexity",
+        "val_loss_delta_pct",
+        "within_noise_of_best",
+        "pareto",
+        "prefill_ms",
+        "train_tokens_per_s",
+        "distinct_2",
+        "repeated_4gram_rate",
+    ] + [f"decode_tok_s@{c}" for c in ctxs]
     tmp = paths["results_csv"].with_name(".results.csv.tmp")
     with open(tmp, "w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(cols)
         for r in rows:
-            w.writerow([r.get(c) if not c.startswith("decode_tok_s@") else r["decode_tokens_per_s"].get(c.split("@")[1])
-                        for c in cols])
+            w.writerow(
+                [
+                    r.get(c)
+                    if not c.startswith("decode_tok_s@")
+                    else r["decode_tokens_per_s"].get(c.split("@")[1])
+                    for c in cols
+                ]
+            )
     os.replace(tmp, paths["results_csv"])
     _plots(paths, rows, results, ctxs)
     _atomic_write(paths["report"], render_report(rows, results, meta, ctxs))
@@ -405,10 +482,27 @@ def _plots(paths, rows, results, ctxs) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in rows:
-        ax.errorbar(r["kv_bytes_per_token"], r["val_loss"], yerr=r["val_loss_std"] or 0, fmt="o" if r["pareto"] else "x")
-        ax.annotate(r["label"], (r["kv_bytes_per_token"], r["val_loss"]), fontsize=8, xytext=(4, 3), textcoords="offset points")
+        ax.errorbar(
+            r["kv_bytes_per_token"],
+            r["val_loss"],
+            yerr=r["val_loss_std"] or 0,
+            fmt="o" if r["pareto"] else "x",
+        )
+        ax.annotate(
+            r["label"],
+            (r["kv_bytes_per_token"], r["val_loss"]),
+            fontsize=8,
+            xytext=(4, 3),
+            textcoords="offset points",
+        )
     front = sorted((r for r in rows if r["pareto"]), key=lambda r: r["kv_bytes_per_token"])
-    ax.plot([r["kv_bytes_per_token"] for r in front], [r["val_loss"] for r in front], "-", alpha=0.5, label="Pareto front")
+    ax.plot(
+        [r["kv_bytes_per_token"] for r in front],
+        [r["val_loss"] for r in front],
+        "-",
+        alpha=0.5,
+        label="Pareto front",
+    )
     ax.set_xscale("log")
     ax.set_xlabel(f"KV cache bytes per token (all layers, {KV_DTYPE_BYTES}-byte elements)")
     ax.set_ylabel("validation loss")
@@ -422,7 +516,9 @@ def _plots(paths, rows, results, ctxs) -> None:
     for r in results:
         hist = [h for h in r["history"] if h.get("val_loss") is not None]
         if hist:
-            ax.plot([h["tokens"] for h in hist], [h["val_loss"] for h in hist], label=f"{r['label']} s{r['seed']}")
+            ax.plot(
+                [h["tokens"] for h in hist], [h["val_loss"] for h in hist], label=f"{r['label']} s{r['seed']}"
+            )
     ax.set_xlabel("training tokens")
     ax.set_ylabel("validation loss")
     ax.set_title("loss curves")
@@ -484,36 +580,71 @@ def render_report(rows: list[dict], results: list[dict], meta: dict, ctxs: list[
             f"| {loss}{std} | {r['val_perplexity']:.2f} | {r['val_loss_delta_pct']:+.2f} % | {noise} | {pareto} |"
         )
     if n_seeds == 1:
-        lines += ["", "One seed per variant: 'noise' uses only the standard error of the validation estimate, not "
-                  "seed-to-seed training variance; run with `--seeds 0,1,2` before trusting small differences."]
+        lines += [
+            "",
+            "One seed per variant: 'noise' uses only the standard error of the validation estimate, not "
+            "seed-to-seed training variance; run with `--seeds 0,1,2` before trusting small differences.",
+        ]
     else:
-        lines += ["", f"Mean ± standard deviation over {n_seeds} seeds; 'within noise' = gap to the best below twice "
-                  "the combined standard error of the two means."]
-    lines += ["", "![Pareto front](pareto.png)", "", "## What does each cost in parameters?", "",
-              "| variant | total | activated | embedding (token + gate tables) |", "|---|---:|---:|---:|"]
+        lines += [
+            "",
+            f"Mean ± standard deviation over {n_seeds} seeds; 'within noise' = gap to the best below twice "
+            "the combined standard error of the two means.",
+        ]
+    lines += [
+        "",
+        "![Pareto front](pareto.png)",
+        "",
+        "## What does each cost in parameters?",
+        "",
+        "| variant | total | activated | embedding (token + gate tables) |",
+        "|---|---:|---:|---:|",
+    ]
     for r in rows:
-        lines.append(f"| {r['label']} | {r['params_total'] / 1e6:.3f} M | {r['params_activated'] / 1e6:.3f} M | "
-                     f"{r['params_embedding'] / 1e6:.3f} M |")
+        lines.append(
+            f"| {r['label']} | {r['params_total'] / 1e6:.3f} M | {r['params_activated'] / 1e6:.3f} M | "
+            f"{r['params_embedding'] / 1e6:.3f} M |"
+        )
     best_dec = {c: max(r["decode_tokens_per_s"].get(c, 0) for r in rows) for c in ctxs}
     best_pre = min(r["prefill_ms"] for r in rows)
-    lines += ["", "## How fast does each run? (batch 1, this machine, trained weights)", "",
-              "| variant | prefill ms (128 tokens) | " + " | ".join(f"decode tok/s @ {c}" for c in ctxs) + " | train tok/s |",
-              "|---|---:|" + "---:|" * len(ctxs) + "---:|"]
+    lines += [
+        "",
+        "## How fast does each run? (batch 1, this machine, trained weights)",
+        "",
+        "| variant | prefill ms (128 tokens) | "
+        + " | ".join(f"decode tok/s @ {c}" for c in ctxs)
+        + " | train tok/s |",
+        "|---|---:|" + "---:|" * len(ctxs) + "---:|",
+    ]
     for r in rows:
         dec = " | ".join(
             b(format(r["decode_tokens_per_s"][c], ".1f"), r["decode_tokens_per_s"][c] == best_dec[c])
-            if c in r["decode_tokens_per_s"] else "n/a"
+            if c in r["decode_tokens_per_s"]
+            else "n/a"
             for c in ctxs
         )
         pre = b(format(r["prefill_ms"], ".1f"), r["prefill_ms"] == best_pre)
         lines.append(f"| {r['label']} | {pre} | {dec} | {r['train_tokens_per_s']:.0f} |")
-    lines += ["", "Tiny models are compute-bound on a CPU: their decode speed reflects kernel overheads more than KV "
-              "bytes. `kvlm bench` measures the memory-bound regime at realistic sizes (see benchmarks/).",
-              "", "![decode speed](decode_speed.png)", "", "## Loss curves", "", "![loss curves](loss_curves.png)", "",
-              "## Samples (temperature 0.8, top-k 50) and repetition", "",
-              "| variant | distinct-2 | repeated 4-gram rate |", "|---|---:|---:|"]
+    lines += [
+        "",
+        "Tiny models are compute-bound on a CPU: their decode speed reflects kernel overheads more than KV "
+        "bytes. `kvlm bench` measures the memory-bound regime at realistic sizes (see benchmarks/).",
+        "",
+        "![decode speed](decode_speed.png)",
+        "",
+        "## Loss curves",
+        "",
+        "![loss curves](loss_curves.png)",
+        "",
+        "## Samples (temperature 0.8, top-k 50) and repetition",
+        "",
+        "| variant | distinct-2 | repeated 4-gram rate |",
+        "|---|---:|---:|",
+    ]
     for r in rows:
-        lines.append(f"| {r['label']} | {_fmt(r['distinct_2'], '.3f')} | {_fmt(r['repeated_4gram_rate'], '.3f')} |")
+        lines.append(
+            f"| {r['label']} | {_fmt(r['distinct_2'], '.3f')} | {_fmt(r['repeated_4gram_rate'], '.3f')} |"
+        )
     lines.append("")
     for res in results:
         if res["seed"] != results[0]["seed"]:
@@ -589,7 +720,9 @@ def compare(
             res["key"] = key
             rdir.mkdir(parents=True, exist_ok=True)
             _atomic_write(done, json.dumps(res, indent=2, default=str))
-            log(f"[{v.label} seed {seed}] val loss {res['val_loss']:.4f}, KV {res['kv_bytes_per_token']} B/token")
+            log(
+                f"[{v.label} seed {seed}] val loss {res['val_loss']:.4f}, KV {res['kv_bytes_per_token']} B/token"
+            )
             results.append(res)
     rows = aggregate(results)
     meta = {
@@ -611,33 +744,64 @@ def compare(
         "best_val_loss": best["label"],
         "pareto": [r["label"] for r in rows if r["pareto"]],
         "variants": [
-            {k: r[k] for k in ("label", "val_loss", "val_loss_std", "kv_bytes_per_token", "params_total", "within_noise_of_best")}
+            {
+                k: r[k]
+                for k in (
+                    "label",
+                    "val_loss",
+                    "val_loss_std",
+                    "kv_bytes_per_token",
+                    "params_total",
+                    "within_noise_of_best",
+                )
+            }
             for r in rows
         ],
     }
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--preset", default="tiny", help=f"comparison preset: {', '.join(COMPARE_PRESETS)} (default tiny)")
-    p.add_argument("--variants", help="YAML list of variants instead of a preset (label, preset or config fields)")
-    p.add_argument("--data", default="synthetic",
-                   help="'synthetic' (built-in generated stories, default), a prepared data folder, or text files")
-    p.add_argument("--out", default="runs/compare", help="output folder (re-running resumes finished variants)")
-    p.add_argument("--steps", type=int, help="training steps per variant (default 300 when no budget is given)")
+    p.add_argument(
+        "--preset", default="tiny", help=f"comparison preset: {', '.join(COMPARE_PRESETS)} (default tiny)"
+    )
+    p.add_argument(
+        "--variants", help="YAML list of variants instead of a preset (label, preset or config fields)"
+    )
+    p.add_argument(
+        "--data",
+        default="synthetic",
+        help="'synthetic' (built-in generated stories, default), a prepared data folder, or text files",
+    )
+    p.add_argument(
+        "--out", default="runs/compare", help="output folder (re-running resumes finished variants)"
+    )
+    p.add_argument(
+        "--steps", type=int, help="training steps per variant (default 300 when no budget is given)"
+    )
     p.add_argument("--tokens", type=int, help="training tokens per variant")
     p.add_argument("--minutes", type=float, help="training minutes per variant")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seeds", default="0", help="comma-separated seeds; several give mean and std")
-    p.add_argument("--contexts", default="64,256,448", help="context lengths for the decode-speed measurement")
-    p.add_argument("--paper-sizes", action="store_true", help="use the papers' model sizes instead of scaled ones")
+    p.add_argument(
+        "--contexts", default="64,256,448", help="context lengths for the decode-speed measurement"
+    )
+    p.add_argument(
+        "--paper-sizes", action="store_true", help="use the papers' model sizes instead of scaled ones"
+    )
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
 
 
 def main(args) -> int:
-    budget = Budget(steps=args.steps, tokens=args.tokens, minutes=args.minutes, batch_size=args.batch_size,
-                    seq_len=args.seq_len, lr=args.lr)
+    budget = Budget(
+        steps=args.steps,
+        tokens=args.tokens,
+        minutes=args.minutes,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        lr=args.lr,
+    )
     if not (args.steps or args.tokens or args.minutes):
         budget.steps = 300
     for name in ("steps", "tokens", "minutes", "batch_size", "seq_len"):
@@ -647,9 +811,17 @@ def main(args) -> int:
     seeds = [int(s) for s in str(args.seeds).split(",") if s.strip()]
     contexts = [int(c) for c in str(args.contexts).split(",") if c.strip()]
     summary = compare(
-        preset=args.preset, out=args.out, data_source=args.data, budget=budget, seeds=seeds,
-        variants_file=args.variants, paper_sizes=args.paper_sizes, contexts=contexts,
-        command="kvlm " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("kvlm") else "kvlm compare " + " ".join(sys.argv[2:]),
+        preset=args.preset,
+        out=args.out,
+        data_source=args.data,
+        budget=budget,
+        seeds=seeds,
+        variants_file=args.variants,
+        paper_sizes=args.paper_sizes,
+        contexts=contexts,
+        command="kvlm " + " ".join(sys.argv[1:])
+        if sys.argv[0].endswith("kvlm")
+        else "kvlm compare " + " ".join(sys.argv[2:]),
         log=(lambda *a: print(*a, file=sys.stderr)) if args.json else print,
     )
     print(f"report: {summary['report']}", file=sys.stderr if args.json else sys.stdout)

@@ -45,7 +45,9 @@ class ModelConfig:
     # --- latent attention (mla, eg-mla, gla, mlra, mfa) ------------------------------------
     q_lora_rank: int = 0  # d'_c; 0 = plain W_Q (no query compression)
     kv_lora_rank: int | None = None  # d_c
-    kv_latent: str = "joint"  # "joint": one c_kv for K and V (DeepSeek); "separate": c_k and c_v (small-LM grid)
+    kv_latent: str = (
+        "joint"  # "joint": one c_kv for K and V (DeepSeek); "separate": c_k and c_v (small-LM grid)
+    )
     latent_norm: bool = True  # RMSNorm on the latents (DeepSeek-V2)
     latent_scaling: bool = False  # alpha_q = sqrt(d/d'_c), alpha_kv = sqrt(d/d_c) (mlra.md Sec. 3.3)
     attn_out_scaling: bool = False  # alpha_attn = 1/sqrt(branches) for mlra (mlra.md Eq. 10)
@@ -96,9 +98,7 @@ class ModelConfig:
         from kvlm.attention import registry  # late import: the registry imports this module
 
         if self.attention not in registry():
-            raise ConfigError(
-                f"unknown attention {self.attention!r}; known: {', '.join(sorted(registry()))}"
-            )
+            raise ConfigError(f"unknown attention {self.attention!r}; known: {', '.join(sorted(registry()))}")
         if self.arch not in ARCHS:
             raise ConfigError(f"unknown arch {self.arch!r}; known: {', '.join(ARCHS)}")
         for name in ("n_layer", "d_model", "n_head", "head_dim", "vocab_size", "max_seq_len", "ffn_dim"):

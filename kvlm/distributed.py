@@ -995,6 +995,10 @@ def _model_config(preset: str, overrides: list[str]):
     if preset in registry():
         return ModelConfig(attention=preset, **changes)
     cfg = ModelConfig.from_preset(preset)
+    if "n_head" in changes:  # re-derive what follows from the changed shape unless given
+        changes.setdefault("n_kv_head", None)
+    if "d_model" in changes:
+        changes.setdefault("ffn_dim", None)
     return cfg.replace(**changes) if changes else cfg
 
 
@@ -1027,7 +1031,8 @@ def embedding_parallel_table(
             env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // w)))
             proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if proc.returncode:
-                raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+                first = [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()][:3]
+                raise RuntimeError(f"{' '.join(cmd)} failed: {' / '.join(first) or proc.stderr[-2000:]}")
             ranks = json.loads(proc.stdout.strip().splitlines()[-1])["ranks"]
             row = {"mode": mode, "workers": w}
             for k in (

@@ -31,7 +31,9 @@ def build_peer(model: KVLM) -> Peer:
     if transformers_version() is None:
         raise PeerUnavailable("transformers is not installed (pip install 'kvlm[hf]')")
     cfg = model.cfg
-    _require(cfg.arch == "llama", f"arch={cfg.arch!r}: the peers are Llama-style models (RMSNorm, SwiGLU, RoPE)")
+    _require(
+        cfg.arch == "llama", f"arch={cfg.arch!r}: the peers are Llama-style models (RMSNorm, SwiGLU, RoPE)"
+    )
     _require(not cfg.gated, "gated attention has no transformers peer")
     _require(cfg.rope and cfg.rope_head_dim != 0, "the peers always apply RoPE; rope=False has none")
     if cfg.attention in ("mha", "mqa", "gqa"):
@@ -69,7 +71,9 @@ class Peer:
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache, last_only: bool = False) -> torch.Tensor:
         """Append tokens (B, T) to cache (prefill or decode); logits (B, T or 1, vocab)."""
-        out = self.model(input_ids=tokens, past_key_values=cache, use_cache=True, logits_to_keep=int(last_only))
+        out = self.model(
+            input_ids=tokens, past_key_values=cache, use_cache=True, logits_to_keep=int(last_only)
+        )
         return out.logits
 
     def synthetic_cache(self, batch: int, length: int):
@@ -155,13 +159,17 @@ def _llama_key(key: str, attn_names: dict[str, str], mlp_names: dict[str, str]) 
 
 def _load(hf: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
     target = hf.state_dict()
-    missing = [k for k in target if k not in state and not (k == "lm_head.weight" and hf.config.tie_word_embeddings)]
+    missing = [
+        k for k in target if k not in state and not (k == "lm_head.weight" and hf.config.tie_word_embeddings)
+    ]
     extra = [k for k in state if k not in target]
     if missing or extra:
         raise PeerUnavailable(f"weight mapping mismatch: missing {missing[:4]}, unexpected {extra[:4]}")
     for k, v in state.items():
         if target[k].shape != v.shape:
-            raise PeerUnavailable(f"{k}: transformers shape {tuple(target[k].shape)} != kvlm {tuple(v.shape)}")
+            raise PeerUnavailable(
+                f"{k}: transformers shape {tuple(target[k].shape)} != kvlm {tuple(v.shape)}"
+            )
     hf.load_state_dict(state, strict=False)
     if hf.config.tie_word_embeddings:
         hf.tie_weights()
@@ -172,7 +180,9 @@ class DeepseekV3Peer(Peer):
     def cache_shapes(self, batch, length):
         c = self.model.config
         # transformers caches the normalised latent c_kv as "keys" and the roped k_rope as "values"
-        return [((batch, 1, length, c.kv_lora_rank), (batch, 1, length, c.qk_rope_head_dim))] * c.num_hidden_layers
+        return [
+            ((batch, 1, length, c.kv_lora_rank), (batch, 1, length, c.qk_rope_head_dim))
+        ] * c.num_hidden_layers
 
 
 def _deepseek_v3_peer(model: KVLM) -> Peer:
@@ -231,7 +241,9 @@ def _deepseek_v3_peer(model: KVLM) -> Peer:
             state[pre + "q_b_proj.weight"] = torch.cat([w_uq, w_qr], dim=1).reshape(h * (dh + dr), dq)
         else:
             wq = a.wq.weight.view(h, dh + dr, -1)
-            state[pre + "q_proj.weight"] = torch.cat([wq[:, :dh], wq[:, dh:][:, interleave]], dim=1).flatten(0, 1)
+            state[pre + "q_proj.weight"] = torch.cat([wq[:, :dh], wq[:, dh:][:, interleave]], dim=1).flatten(
+                0, 1
+            )
         state[pre + "kv_a_proj_with_mqa.weight"] = torch.cat([a.w_dkv.weight, a.w_kr.weight[interleave]])
         state[pre + "kv_a_layernorm.weight"] = a.kv_norm.weight
         w_uk, w_uv = a.w_uk.weight.view(h, dh, dc), a.w_uv.weight.view(h, dh, dc)

@@ -88,8 +88,11 @@ def test_incremental_decode_float32(attention, overrides):
     full = model(tokens)
     for mode in _modes(model):
         cache = model.new_cache(1, 12, naive=(mode == "naive"))
-        inc = torch.cat([model(tokens[:, :6], cache=cache, mode=mode)]
-                        + [model(tokens[:, t : t + 1], cache=cache, mode=mode) for t in range(6, 12)], 1)
+        inc = torch.cat(
+            [model(tokens[:, :6], cache=cache, mode=mode)]
+            + [model(tokens[:, t : t + 1], cache=cache, mode=mode) for t in range(6, 12)],
+            1,
+        )
         assert (inc - full).abs().max().item() < 1e-4, mode
 
 

@@ -8,16 +8,47 @@ import pytest
 import torch
 from conftest import tiny_config
 
-from kvlm import build_model, count_parameters
+from kvlm import bench, build_model, count_parameters
 from kvlm.attention import registry
-from kvlm import bench
 from kvlm.bench import BenchError, PeakMemory, streamed_weight_bytes, summarize
 
 HAS_MLA = "mla" in registry()
-TOY = ["--batch", "1,2", "--context", "8,16", "--prompt", "4", "--steps", "2", "--warmup", "1", "--repeats", "1",
-       "--n-layer", "1", "--d-model", "32", "--n-head", "2", "--vocab-size", "64", "--bandwidth-mib", "4"]
-DECODE_FIELDS = ("median_ms", "min_ms", "max_ms", "tokens_per_s", "kv_cache_bytes", "peak_mem_bytes", "bytes_per_step",
-                 "floor_ms", "roofline_ratio", "achieved_gbs")
+TOY = [
+    "--batch",
+    "1,2",
+    "--context",
+    "8,16",
+    "--prompt",
+    "4",
+    "--steps",
+    "2",
+    "--warmup",
+    "1",
+    "--repeats",
+    "1",
+    "--n-layer",
+    "1",
+    "--d-model",
+    "32",
+    "--n-head",
+    "2",
+    "--vocab-size",
+    "64",
+    "--bandwidth-mib",
+    "4",
+]
+DECODE_FIELDS = (
+    "median_ms",
+    "min_ms",
+    "max_ms",
+    "tokens_per_s",
+    "kv_cache_bytes",
+    "peak_mem_bytes",
+    "bytes_per_step",
+    "floor_ms",
+    "roofline_ratio",
+    "achieved_gbs",
+)
 
 
 def _args(*argv):
@@ -35,7 +66,9 @@ def test_toy_run_emits_complete_json_and_plot(capsys, tmp_path):
     mla = "mla:kv_lora_rank=16:rope_head_dim=8"
     variants = f"mha,gqa:n_kv_head=1,{mla}" if HAS_MLA else "mha,gqa:n_kv_head=1"
     out = tmp_path / "r.json"
-    res = _run(capsys, "--variants", variants, "--modes", "naive,absorbed", "--no-peers", "--out", str(out), *TOY)
+    res = _run(
+        capsys, "--variants", variants, "--modes", "naive,absorbed", "--no-peers", "--out", str(out), *TOY
+    )
     assert json.loads(out.read_text()) == res
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     hw = res["hardware"]
@@ -81,19 +114,26 @@ def test_streamed_weight_bytes_counts_every_matrix_once():
 
 def test_summarize_and_peak_memory():
     s = summarize([0.003, 0.001, 0.002, 0.010])
-    assert s["median_ms"] == pytest.approx(2.5) and s["min_ms"] == pytest.approx(1) and s["max_ms"] == pytest.approx(10)
+    assert (
+        s["median_ms"] == pytest.approx(2.5)
+        and s["min_ms"] == pytest.approx(1)
+        and s["max_ms"] == pytest.approx(10)
+    )
     with PeakMemory(torch.device("cpu")) as mem:
         x = torch.ones(32 * 2**20 // 4)  # 32 MiB, touched
         del x
     assert mem.extra >= 24 * 2**20 and mem.peak >= mem.start
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--variants", "nope"], "unknown variant"),
-    (["--variants", "mha", "--modes", "fast"], "unknown mode"),
-    (["--variants", "mha", "--batch", "0"], "positive"),
-    (["--variants", "mha:n_head"], "key=value"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--variants", "nope"], "unknown variant"),
+        (["--variants", "mha", "--modes", "fast"], "unknown mode"),
+        (["--variants", "mha", "--batch", "0"], "positive"),
+        (["--variants", "mha:n_head"], "key=value"),
+    ],
+)
 def test_bad_options_give_one_clear_error(argv, message):
     with pytest.raises(BenchError, match=message):
         bench.main(_args(*argv, "--no-peers"))
@@ -102,7 +142,11 @@ def test_bad_options_give_one_clear_error(argv, message):
 # --- peers --------------------------------------------------------------------------------------------
 PEER_CASES = [("mha", {}), ("mqa", {}), ("gqa", {"n_kv_head": 2}), ("gqa", {"n_kv_head": 2, "bias": True})]
 if HAS_MLA:
-    PEER_CASES += [("mla", {}), ("mla", {"q_lora_rank": 32}), ("mla", {"kv_lora_rank": 48, "rope_head_dim": 4})]
+    PEER_CASES += [
+        ("mla", {}),
+        ("mla", {"q_lora_rank": 32}),
+        ("mla", {"kv_lora_rank": 48, "rope_head_dim": 4}),
+    ]
 
 
 def _model(attention, overrides):
@@ -150,11 +194,14 @@ def test_peer_synthetic_cache_matches_real_cache_layout():
         assert peer.cache_nbytes(cache) == 2 * 5 * model.cfg.kv_cache_bytes_per_token(8)
 
 
-@pytest.mark.parametrize("attention,overrides,why", [
-    ("gqa", {"n_kv_head": 2, "gated": True}, "gated"),
-    ("mha", {"rope": False}, "RoPE"),
-    ("mha", {"arch": "gpt2"}, "arch"),
-])
+@pytest.mark.parametrize(
+    "attention,overrides,why",
+    [
+        ("gqa", {"n_kv_head": 2, "gated": True}, "gated"),
+        ("mha", {"rope": False}, "RoPE"),
+        ("mha", {"arch": "gpt2"}, "arch"),
+    ],
+)
 def test_peer_unavailable_says_why(attention, overrides, why):
     pytest.importorskip("transformers", reason="transformers not installed (pip install 'kvlm[hf]')")
     from kvlm.peers import PeerUnavailable, build_peer

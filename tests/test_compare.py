@@ -7,7 +7,7 @@ import json
 import pytest
 
 from kvlm.cli import main as cli_main
-from kvlm.compare import aggregate, compare, Budget
+from kvlm.compare import Budget, aggregate, compare
 
 VARIANTS_YAML = """
 base: {n_layer: 1, d_model: 32, n_head: 2, max_seq_len: 64, vocab_size: 300}
@@ -27,8 +27,24 @@ def run(tmp_path_factory):
 
     prepare("synthetic", data, vocab_size=300, max_tokens=20_000, val_tokens=4_000)
     out = tmp / "out"
-    args = ["compare", "--variants", str(vf), "--data", str(data), "--out", str(out), "--steps", "3",
-            "--batch-size", "2", "--seq-len", "32", "--contexts", "8,16", "--json"]
+    args = [
+        "compare",
+        "--variants",
+        str(vf),
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--steps",
+        "3",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "32",
+        "--contexts",
+        "8,16",
+        "--json",
+    ]
     rc = cli_main(args)
     assert rc == 0
     return tmp, out, args
@@ -36,7 +52,14 @@ def run(tmp_path_factory):
 
 def test_every_file_is_written(run):
     _, out, _ = run
-    for name in ("results.json", "results.csv", "report.md", "pareto.png", "loss_curves.png", "decode_speed.png"):
+    for name in (
+        "results.json",
+        "results.csv",
+        "report.md",
+        "pareto.png",
+        "loss_curves.png",
+        "decode_speed.png",
+    ):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
     report = (out / "report.md").read_text()
     assert "| mha |" in report and "| mla |" in report
@@ -77,18 +100,55 @@ def test_rerun_resumes_finished_variants(run, capsys):
 
 
 def test_noise_and_pareto_marking():
-    base = {"attention": "mha", "params": {"total": 1, "activated": 1, "embedding": 0, "gate_embedding": 0},
-            "prefill_ms": 1.0, "train_tokens_per_s": 1.0, "decode_tokens_per_s": {}, "repetition": {}}
-    runs = [
-        {**base, "label": "a", "seed": s, "val_loss": v, "val_loss_stderr": 0.001, "val_perplexity": 1,
-         "kv_elements_per_token": 10, "kv_bytes_per_token": 20} for s, v in ((0, 2.00), (1, 2.02))
-    ] + [
-        {**base, "label": "b", "seed": s, "val_loss": v, "val_loss_stderr": 0.001, "val_perplexity": 1,
-         "kv_elements_per_token": 5, "kv_bytes_per_token": 10} for s, v in ((0, 2.01), (1, 2.03))
-    ] + [
-        {**base, "label": "c", "seed": s, "val_loss": v, "val_loss_stderr": 0.001, "val_perplexity": 1,
-         "kv_elements_per_token": 10, "kv_bytes_per_token": 20} for s, v in ((0, 3.0), (1, 3.01))
-    ]
+    base = {
+        "attention": "mha",
+        "params": {"total": 1, "activated": 1, "embedding": 0, "gate_embedding": 0},
+        "prefill_ms": 1.0,
+        "train_tokens_per_s": 1.0,
+        "decode_tokens_per_s": {},
+        "repetition": {},
+    }
+    runs = (
+        [
+            {
+                **base,
+                "label": "a",
+                "seed": s,
+                "val_loss": v,
+                "val_loss_stderr": 0.001,
+                "val_perplexity": 1,
+                "kv_elements_per_token": 10,
+                "kv_bytes_per_token": 20,
+            }
+            for s, v in ((0, 2.00), (1, 2.02))
+        ]
+        + [
+            {
+                **base,
+                "label": "b",
+                "seed": s,
+                "val_loss": v,
+                "val_loss_stderr": 0.001,
+                "val_perplexity": 1,
+                "kv_elements_per_token": 5,
+                "kv_bytes_per_token": 10,
+            }
+            for s, v in ((0, 2.01), (1, 2.03))
+        ]
+        + [
+            {
+                **base,
+                "label": "c",
+                "seed": s,
+                "val_loss": v,
+                "val_loss_stderr": 0.001,
+                "val_perplexity": 1,
+                "kv_elements_per_token": 10,
+                "kv_bytes_per_token": 20,
+            }
+            for s, v in ((0, 3.0), (1, 3.01))
+        ]
+    )
     rows = {r["label"]: r for r in aggregate(runs)}
     assert rows["a"]["within_noise_of_best"] and rows["b"]["within_noise_of_best"]
     assert not rows["c"]["within_noise_of_best"]

@@ -150,7 +150,9 @@ class Attention(nn.Module):
         """Raise ConfigError for dimensions this mechanism cannot use."""
 
     @classmethod
-    def spec_for(cls, cfg: ModelConfig, layer_idx: int = 0, naive: bool = False) -> dict[str, tuple[int, ...]]:
+    def spec_for(
+        cls, cfg: ModelConfig, layer_idx: int = 0, naive: bool = False
+    ) -> dict[str, tuple[int, ...]]:
         """cache_spec computed from the config alone (no weights), for accounting."""
         raise NotImplementedError
 

@@ -31,7 +31,9 @@ class MultiHeadAttention(Attention):
 
     @classmethod
     def check_config(cls, cfg: ModelConfig) -> None:
-        require(cfg.n_head % cfg.n_kv_head == 0, f"n_head={cfg.n_head} not divisible by n_kv_head={cfg.n_kv_head}")
+        require(
+            cfg.n_head % cfg.n_kv_head == 0, f"n_head={cfg.n_head} not divisible by n_kv_head={cfg.n_kv_head}"
+        )
 
     @classmethod
     def spec_for(cls, cfg, layer_idx=0, naive=False):

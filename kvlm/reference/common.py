@@ -32,7 +32,9 @@ def output(module, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     B, T = o.shape[:2]
     o = o.reshape(B, T, -1)
     if module.gate is not None:
-        o = o * torch.sigmoid(x @ module.gate.weight.T + (module.gate.bias if module.gate.bias is not None else 0))
+        o = o * torch.sigmoid(
+            x @ module.gate.weight.T + (module.gate.bias if module.gate.bias is not None else 0)
+        )
     return o @ module.wo.weight.T + (module.wo.bias if module.wo.bias is not None else 0)
 
 
