@@ -16,6 +16,12 @@ from kvlm.model import KVLM, build_model, count_parameters
 
 __version__ = "0.1.0"
 
+# transformers' AutoConfig / AutoModelForCausalLM learn model_type "kvlm" when transformers' auto modules load
+# (an import hook, stdlib only): importing kvlm never imports transformers (kvlm.hf)
+from kvlm.hf import install_auto_registration as _install_auto_registration
+
+_install_auto_registration()
+
 
 def presets() -> list[str]:
     """Names accepted by ModelConfig.from_preset."""

@@ -7,7 +7,9 @@ Sources (one or more):
                               test* files are left out.
     hf:NAME[@CONFIG]          a Hugging Face dataset (needs `pip install 'kvlm[data]'` and a network);
     tinystories               = hf:roneneldan/TinyStories
-A source without its own validation split gives every N-th document (N = 1 / val_fraction) to it.
+A source without its own validation split gives every N-th document (N = 1 / val_fraction) to it;
+`val=` (--val) names validation sources instead (each one's own validation part if it has one, else all
+of it). A single document too few to share is split by tokens: validation is the tail of training.
 
 Output folder:
     tokenizer.json            the tokenizer (also copied into every checkpoint trained on this data)
@@ -481,8 +483,12 @@ def prepare(
     val_sources = [resolve_source(s, text_field, seed) for s in val_specs]
     if max_tokens is None and not all(s.finite for s in sources):
         max_tokens = SYNTHETIC_DEFAULT_TOKENS
-    if val_tokens is None and max_tokens is not None:
-        val_tokens = max(1, int(max_tokens * val_fraction)) if val_fraction > 0 or val_specs else 0
+    if val_tokens is None:
+        if not all(s.finite for s in val_sources):
+            val_tokens = SYNTHETIC_DEFAULT_TOKENS // 20
+        elif max_tokens is not None and not val_specs:
+            # a capped training split gets a proportionate validation split
+            val_tokens = max(1, int(max_tokens * (val_fraction or 0.05)))
     for name, v in (("max_tokens", max_tokens), ("val_tokens", val_tokens)):
         if v is not None and v < 0:
             raise DataError(f"{name} must be >= 0, got {v}")
@@ -535,6 +541,7 @@ def prepare(
         )
         meta["request"] = request
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the result is an ordinary folder
         if out_dir is None:
             out_dir = tmp
         else:
@@ -581,10 +588,9 @@ def _prepare_into(
 
     def val_side() -> Iterator[tuple[str, int, str]]:
         if val_sources:
-            for j, src in enumerate(val_sources):
-                for split in ("train", "val") if src.has_val else ("train",):
-                    for text in src.docs(split):
-                        yield "val", len(sources) + j, text
+            for j, src in enumerate(val_sources):  # its own validation part if it has one, else all of it
+                for text in src.docs("val" if src.has_val else "train"):
+                    yield "val", len(sources) + j, text
         else:
             for i, src in enumerate(sources):
                 if src.has_val:

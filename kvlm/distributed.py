@@ -497,16 +497,25 @@ def shard_model(
     group=None,
     shard_ffn: bool = True,
     inplace: bool = False,
+    attention: str = "tp",
 ) -> nn.Module:
-    """The model whose attention layers compute only this rank's shard (and allocate only its cache)
-    and all-reduce the output of W_O; FFNs Megatron-sharded (shard_ffn=False: replicated). With world == 1
-    the model is returned unchanged. inplace=False works on a deep copy (the original stays usable)."""
+    """The model as rank `rank` of `world` runs it. With world == 1 the model itself.
+
+    attention="tp" (tensor parallel): attention layers compute only this rank's shard (and allocate only
+    its cache) and all-reduce the output of W_O; FFNs Megatron-sharded (shard_ffn=False: replicated).
+    attention="dp" (data-parallel attention, how the MLRA paper serves MLA): every rank keeps whole attention
+    layers and serves its own requests with its own cache; the FFNs are Megatron-sharded and see every
+    rank's tokens (gathered before, the summed outputs handed back after). All ranks must call the model
+    the same number of times (inference only).
+    inplace=False works on a deep copy (the original stays usable)."""
     if world < 1 or not 0 <= rank < world:
         raise ConfigError(f"rank {rank} is not in a tensor-parallel world of {world}")
+    if attention not in ("tp", "dp"):
+        raise ConfigError(f"attention parallelism must be 'tp' or 'dp', got {attention!r}")
     if world == 1:
         return model
     name = model.cfg.attention
-    if name not in SHARDERS:
+    if attention == "tp" and name not in SHARDERS:
         raise ConfigError(
             f"tensor-parallel decoding is not implemented for attention {name!r}; "
             f"supported: {', '.join(sorted(SHARDERS))}"
@@ -515,6 +524,9 @@ def shard_model(
         model = copy_model(model)
     inners = []
     for block in model.layers:
+        if attention == "dp":
+            block.mlp = DPGatherMLP(_shard_mlp(block.mlp, model.cfg, rank, world), rank, group)
+            continue
         inner, plan = shard_attention(block.attn, rank, world)
         for m in inner.modules():  # collectives inside the shard (eg-mla's LayerNorm) use the same group
             if isinstance(m, TPLayerNorm):
@@ -523,16 +535,44 @@ def shard_model(
         block.attn = TPAttention(inner, plan, group)
         if shard_ffn:
             block.mlp = TPMLP(_shard_mlp(block.mlp, model.cfg, rank, world), group)
-    tie = getattr(type(inners[0]), "tie_layers", None)
+    tie = getattr(type(inners[0]), "tie_layers", None) if inners else None
     if tie is not None:  # e.g. eg-mla's layer groups sharing a gate: identical slices, shared again
         tie(inners)
     model.tp = {
         "rank": rank,
         "world": world,
         "attention": name,
-        "ffn": "megatron" if shard_ffn else "replicated",
+        "attention_parallel": attention,
+        "ffn": "megatron" if shard_ffn or attention == "dp" else "replicated",
     }
     return model
+
+
+class DPGatherMLP(nn.Module):
+    """FFN shard under data-parallel attention: the ranks' tokens (any number each) are all-gathered, every
+    rank runs its FFN slice on all of them, the partial outputs are summed and each rank keeps its rows."""
+
+    def __init__(self, inner: nn.Module, rank: int, group=None):
+        super().__init__()
+        self.inner = inner
+        self.rank = rank
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        world = dist.get_world_size(self.group)
+        flat = x.reshape(-1, x.shape[-1])
+        n = torch.tensor([flat.shape[0]], device=x.device)
+        counts = [torch.zeros_like(n) for _ in range(world)]
+        dist.all_gather(counts, n, group=self.group)
+        counts = [int(c) for c in counts]
+        padded = flat.new_zeros(max(counts), flat.shape[1])
+        padded[: flat.shape[0]] = flat
+        gathered = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(gathered, padded, group=self.group)
+        every = torch.cat([g[:c] for g, c in zip(gathered, counts)])
+        out = all_reduce_sum(self.inner(every), self.group)
+        start = sum(counts[: self.rank])
+        return out[start : start + flat.shape[0]].view_as(x)
 
 
 def shard_attention(attn: nn.Module, rank: int, world: int) -> tuple[nn.Module, dict]:

@@ -57,13 +57,13 @@ def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
     return t
 
 
-def broadcast_flag(flag: bool, info: DistInfo, device) -> bool:
-    """Rank 0's decision for everyone (e.g. a time budget: all ranks must stop at the same step)."""
+def broadcast_float(value: float, info: DistInfo, device) -> float:
+    """Rank 0's value for everyone (its clock, for a time budget: all ranks stop at the same step)."""
     if not info.enabled:
-        return flag
-    t = torch.tensor([1 if flag else 0], device=device)
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
     dist.broadcast(t, src=0)
-    return bool(t.item())
+    return float(t.item())
 
 
 def gather_objects(obj, info: DistInfo) -> list:

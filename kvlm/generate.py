@@ -271,14 +271,25 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="default: bfloat16 on cuda, float32 on cpu")  # fmt: skip
     p.add_argument("--json", action="store_true", help="no streaming; the last stdout line is a JSON object")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel degree N, under `torchrun --nproc-per-node N -m kvlm.cli generate ...` "
+                   "(each rank holds its shard of every layer and of the KV cache; kvlm/distributed.py)")  # fmt: skip
 
 
 def main(args) -> int:
     from kvlm.checkpoint import CheckpointError, load_checkpoint
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    tp = None
+    if getattr(args, "tp", 1) > 1:  # join torchrun's group; rank 0 alone prints (kvlm/distributed.py)
+        from kvlm.distributed import shard_model, tp_setup
+
+        tp = tp_setup(args.tp, device.type)
+        device = tp.device
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else None)
     model, tokenizer, _meta = load_checkpoint(args.checkpoint, device=device, dtype=dtype)
+    if tp is not None:
+        model = shard_model(model, tp.rank, tp.world, inplace=True)
     if tokenizer is None:
         raise CheckpointError(
             f"checkpoint {args.checkpoint} has no tokenizer.json: cannot encode a text prompt"

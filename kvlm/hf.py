@@ -40,7 +40,7 @@ from pathlib import Path
 MODEL_TYPE = "kvlm"
 REMOTE_MODULE = "modeling_kvlm"
 AUTO_MAP = {
-    "AutoConfig": f"{REMOTE_MODULE}.KVLMConfig",
+    "AutoConfig": f"{REMOTE_MODULE}.KVLMConfig",  # one module for both: one copy in the modules cache
     "AutoModelForCausalLM": f"{REMOTE_MODULE}.KVLMForCausalLM",
 }
 
@@ -60,12 +60,12 @@ def register_config() -> None:
     with _lock:
         if "config" in _registered:
             return
-        _registered.add("config")
         from transformers import AutoConfig
 
-        from kvlm.hf_modeling import KVLMConfig
+        from kvlm.hf_config import KVLMConfig
 
         AutoConfig.register(MODEL_TYPE, KVLMConfig, exist_ok=True)
+        _registered.add("config")
 
 
 def register_model() -> None:
@@ -73,12 +73,12 @@ def register_model() -> None:
         if "model" in _registered:
             return
         register_config()
-        _registered.add("model")
         from transformers import AutoModelForCausalLM
 
         from kvlm.hf_modeling import KVLMConfig, KVLMForCausalLM
 
         AutoModelForCausalLM.register(KVLMConfig, KVLMForCausalLM, exist_ok=True)
+        _registered.add("model")
 
 
 def register_auto_classes() -> None:
@@ -162,10 +162,10 @@ def hf_tokenizer(tokenizer):
     eos = getattr(tokenizer, "eos_token", "<|endoftext|>")
     if backend.token_to_id(eos) is None:
         raise ExportError(f"tokenizer has no end-of-text token {eos!r}")
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=eos, pad_token=eos, bos_token=eos)
-    tok.padding_side = "left"  # kvlm's cache takes left-padded batches
-    tok.add_bos_token = False
-    return tok
+    # left padding: kvlm's cache takes left-padded batches
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token=eos, pad_token=eos, bos_token=eos, padding_side="left"
+    )
 
 
 def export_hf(checkpoint, out: str | Path, *, remote_code: bool = True, dtype=None) -> Path:
@@ -214,7 +214,8 @@ _ANY_KVLM_IMPORT = re.compile(r"^\s*(import kvlm\b|from kvlm import )", re.MULTI
 
 
 def _flat_name(module: str) -> str:
-    return REMOTE_MODULE if module == "kvlm.hf_modeling" else module.replace(".", "_")
+    special = {"kvlm.hf_modeling": REMOTE_MODULE, "kvlm.hf_config": "configuration_kvlm"}
+    return special.get(module, module.replace(".", "_"))
 
 
 def _module_file(module: str) -> Path:
@@ -266,7 +267,7 @@ def write_remote_code(folder: str | Path, attention: str) -> list[str]:
     mechanism = _flat_name(_attention_module(attention))
     for mod in modules:
         text = flatten_source(_module_file(mod).read_text(), mod)
-        if mod == "kvlm.hf_modeling":
+        if mod == "kvlm.hf_config":
             # a static import, so that transformers copies the mechanism's file (the registry loads it by name)
             text += f"\nfrom .{mechanism} import __name__ as _kvlm_mechanism  # noqa: E402,F401\n"
         name = f"{_flat_name(mod)}.py"

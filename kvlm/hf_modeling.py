@@ -11,8 +11,8 @@ accepted only without a cache (causal attention never looks right, so real token
 
 This file is also copied, with its kvlm imports made relative, into every ``kvlm export-hf`` folder as
 ``modeling_kvlm.py`` (see ``kvlm.hf``), so it may import only torch, transformers and kvlm's core modules.
-Written for transformers 5 (``PreTrainedConfig``; causal LMs inherit ``GenerationMixin`` explicitly), and kept
-importable on 4.x (``PretrainedConfig``).
+Written for transformers 5 (causal LMs inherit ``GenerationMixin`` explicitly; the config, in kvlm.hf_config,
+subclasses ``PreTrainedConfig``, ``PretrainedConfig`` on 4.x).
 """
 
 from __future__ import annotations
@@ -22,42 +22,10 @@ import torch.nn.functional as F
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from kvlm.attention.rope import RotaryEmbedding
 from kvlm.cache import CacheError, KVCache
-from kvlm.config import ModelConfig
+from kvlm.hf_config import KVLMConfig
 from kvlm.model import KVLM
-
-try:  # transformers >= 5 renamed the config base class
-    from transformers import PreTrainedConfig
-except ImportError:  # pragma: no cover - transformers 4.x
-    from transformers import PretrainedConfig as PreTrainedConfig
-
-
-class KVLMConfig(PreTrainedConfig):
-    """The kvlm ``ModelConfig`` (``kvlm_config``, all fields) plus transformers' generic settings. The usual
-    transformers names (hidden_size, num_hidden_layers, ...) mirror it for tools that read them."""
-
-    model_type = "kvlm"
-    keys_to_ignore_at_inference = ["past_key_values"]
-
-    def __init__(self, kvlm_config: dict | None = None, **kwargs):
-        cfg = ModelConfig.from_dict(dict(kvlm_config)) if kvlm_config else ModelConfig()
-        self.kvlm_config = cfg.to_dict()
-        kwargs.setdefault("tie_word_embeddings", cfg.tie_embeddings)
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "max_position_embeddings", "intermediate_size"):  # fmt: skip
-            kwargs.pop(name, None)  # derived below, never read back from a saved config.json
-        super().__init__(**kwargs)
-        self.vocab_size = cfg.vocab_size
-        self.hidden_size = cfg.d_model
-        self.num_hidden_layers = cfg.n_layer
-        self.num_attention_heads = cfg.n_head
-        self.num_key_value_heads = cfg.n_kv_head
-        self.head_dim = cfg.head_dim
-        self.max_position_embeddings = cfg.max_seq_len
-        self.intermediate_size = cfg.ffn_dim
-
-    def model_config(self) -> ModelConfig:
-        return ModelConfig.from_dict(dict(self.kvlm_config))
 
 
 class KVLMCache:
@@ -145,8 +113,14 @@ class KVLMForCausalLM(PreTrainedModel, GenerationMixin):
         return None
 
     def _init_weights(self, module):
-        # KVLM initialises itself when built (GPT-style, kvlm.model.KVLM.reset_parameters)
-        pass
+        """KVLM initialises its weights when built (kvlm.model.KVLM.reset_parameters). transformers' loader
+        builds on the meta device and leaves non-persistent buffers empty: kvlm's only ones are the RoPE
+        tables, recomputed here."""
+        if isinstance(module, RotaryEmbedding):
+            fresh = RotaryEmbedding(module.dim, module.cos_table.shape[0], module.theta)
+            with torch.no_grad():
+                module.cos_table = fresh.cos_table.to(module.cos_table.device)
+                module.sin_table = fresh.sin_table.to(module.sin_table.device)
 
     def get_input_embeddings(self):
         return self.model.embed

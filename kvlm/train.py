@@ -57,7 +57,7 @@ class TrainConfig:
     max_minutes: float | None = None
     lr: float = 1e-3  # peak learning rate
     min_lr_ratio: float = 0.1  # cosine decay ends at min_lr_ratio * lr
-    warmup_steps: int | None = None  # None: 5 % of the step budget, at most 100 (100 for a time budget)
+    warmup_steps: int | None = None  # None: 5 % of the budget (of the steps, at most 100; or of the time)
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -121,7 +121,7 @@ class TrainConfig:
         if self.warmup_steps is not None:
             return self.warmup_steps
         total = self.total_steps()
-        return 100 if total is None else min(100, math.ceil(0.05 * total))
+        return 0 if total is None else min(100, math.ceil(0.05 * total))  # time budgets: see lr_at
 
     def total_steps(self) -> int | None:
         """Steps the step or token budget allows (None for a time budget alone)."""
@@ -163,21 +163,28 @@ class TrainResult:
 # ------------------------------------------------------------------------------------------------
 # schedule, optimizer, data order
 # ------------------------------------------------------------------------------------------------
-def lr_at(cfg: TrainConfig, step: int, progress: float) -> float:
-    """Learning rate for update `step` (0-based): linear warm-up over warmup_steps, then cosine from lr
-    to min_lr_ratio * lr as `progress` (share of the decay phase done, steps or time) goes 0 -> 1."""
-    warmup = cfg.warmup()
-    if step < warmup:
-        return cfg.lr * (step + 1) / warmup
-    p = min(max(progress, 0.0), 1.0)
+def lr_at(cfg: TrainConfig, step: int, elapsed: float = 0.0) -> float:
+    """Learning rate for update `step` (0-based): linear warm-up, then cosine from lr down to
+    min_lr_ratio * lr over the rest of the budget. A step or token budget counts in steps; a time budget
+    alone counts in seconds of training (`elapsed`), and by default warms up over its first 5 %."""
+    total = cfg.total_steps()
+    if total is None and cfg.warmup_steps is None:
+        frac, warm = elapsed / (cfg.max_minutes * 60.0), 0.05
+        if frac < warm:
+            return cfg.lr * frac / warm
+        p = (frac - warm) / (1 - warm)
+    else:
+        warmup = cfg.warmup()
+        if step < warmup:
+            return cfg.lr * (step + 1) / warmup
+        p = (
+            (step - warmup) / max(1, total - warmup)
+            if total is not None
+            else elapsed / (cfg.max_minutes * 60.0)
+        )
+    p = min(max(p, 0.0), 1.0)
     min_lr = cfg.min_lr_ratio * cfg.lr
     return min_lr + 0.5 * (cfg.lr - min_lr) * (1.0 + math.cos(math.pi * p))
-
-
-def _progress(cfg: TrainConfig, step: int, total: int | None, elapsed: float) -> float:
-    if total is not None:
-        return (step - cfg.warmup()) / max(1, total - cfg.warmup())
-    return elapsed / (cfg.max_minutes * 60.0)
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
@@ -416,6 +423,8 @@ def _train(model_cfg, tcfg, data, out_dir, resume, progress, log, callback, adap
         rngs = state["rng"]
         set_rng_state(rngs[info.rank] if info.rank < len(rngs) else rngs[0])
         say(f"resumed from {state['path']} at step {step} ({tokens:,} tokens)")
+        if state["data"]["content_hash"] != data.content_hash:
+            say(f"warning: {data.path} differs from the data this checkpoint was trained on")
     else:
         torch.manual_seed(tcfg.seed + info.rank)  # dropout masks differ per rank
         np.random.seed(tcfg.seed + info.rank)
@@ -425,6 +434,7 @@ def _train(model_cfg, tcfg, data, out_dir, resume, progress, log, callback, adap
     core = torch.compile(model) if tcfg.compile else model
     net = dt.wrap(core, info, device)
     total = tcfg.total_steps()
+    budget_s = tcfg.max_minutes * 60.0 if tcfg.max_minutes is not None else 0.0
     ckpt_every = tcfg.checkpoint_interval or tcfg.eval_interval
 
     # --- run folder ------------------------------------------------------------------------------------
@@ -457,7 +467,6 @@ def _train(model_cfg, tcfg, data, out_dir, resume, progress, log, callback, adap
     t_mark, tokens_mark = t_start, tokens
     run_tokens = 0
     last_ckpt = None
-    record: dict[str, Any] = {}
 
     def elapsed() -> float:
         return elapsed_before + time.perf_counter() - t_start
@@ -491,13 +500,11 @@ def _train(model_cfg, tcfg, data, out_dir, resume, progress, log, callback, adap
                 val_losses.append((0, v))
                 emit(_record(0, 0, None, v, 0.0, 0.0, 0.0))
                 say(f"step 0: val loss {v:.4f}")
-        while True:
-            done = total is not None and step >= total
-            if tcfg.max_minutes is not None:
-                done = dt.broadcast_flag(done or elapsed() >= tcfg.max_minutes * 60, info, device)
-            if done:
-                break
-            lr = lr_at(tcfg, step, _progress(tcfg, step, total, elapsed()))
+        # a time budget is judged by rank 0's clock, shared once a step: every rank must take the same
+        # learning rate and stop at the same step
+        shared_elapsed = dt.broadcast_float(elapsed(), info, device) if budget_s else 0.0
+        while not ((total is not None and step >= total) or (budget_s and shared_elapsed >= budget_s)):
+            lr = lr_at(tcfg, step, shared_elapsed)
             for g in optimizer.param_groups:
                 g["lr"] = lr
             # this rank's rows of the global batch: a contiguous slice, then cut into micro-batches
@@ -527,14 +534,10 @@ def _train(model_cfg, tcfg, data, out_dir, resume, progress, log, callback, adap
             is_eval = step % tcfg.eval_interval == 0 or is_last
             is_log = step % tcfg.log_interval == 0 or is_eval
             is_ckpt = out_dir is not None and (step % ckpt_every == 0 or is_last)
-            if tcfg.max_minutes is not None and not is_last:
-                # the time budget may end the run after this step: evaluate and save now if so
-                ends = dt.broadcast_flag(elapsed() >= tcfg.max_minutes * 60, info, device)
-                is_eval, is_log, is_ckpt = (
-                    is_eval or ends,
-                    is_log or ends,
-                    is_ckpt or (ends and out_dir is not None),
-                )
+            if budget_s:
+                shared_elapsed = dt.broadcast_float(elapsed(), info, device)
+                if shared_elapsed >= budget_s:  # the time budget ends the run: evaluate and save now
+                    is_eval, is_log, is_ckpt = True, True, out_dir is not None
             if is_log or is_ckpt:
                 flush_losses()
             if is_log:
@@ -547,8 +550,8 @@ def _train(model_cfg, tcfg, data, out_dir, resume, progress, log, callback, adap
                 record = _record(step, tokens, losses[-1], v, lr, tps, elapsed())
                 emit(record)
                 postfix = {"loss": f"{losses[-1]:.3f}", "tok/s": f"{tps:,.0f}"}
-                if tcfg.max_minutes is not None:
-                    postfix["left"] = f"{max(0.0, tcfg.max_minutes * 60 - elapsed()):.0f}s"
+                if budget_s:
+                    postfix["left"] = f"{max(0.0, budget_s - shared_elapsed):.0f}s"
                 bar.set_postfix(postfix, refresh=False)
                 line = _log_line(record, total)
                 if bar.disable:

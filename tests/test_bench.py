@@ -9,46 +9,27 @@ import torch
 from conftest import tiny_config
 
 from kvlm import bench, build_model, count_parameters
-from kvlm.attention import registry
 from kvlm.bench import BenchError, PeakMemory, streamed_weight_bytes, summarize
 
-HAS_MLA = "mla" in registry()
-TOY = [
-    "--batch",
-    "1,2",
-    "--context",
-    "8,16",
-    "--prompt",
-    "4",
-    "--steps",
-    "2",
-    "--warmup",
-    "1",
-    "--repeats",
-    "1",
-    "--n-layer",
-    "1",
-    "--d-model",
-    "32",
-    "--n-head",
-    "2",
-    "--vocab-size",
-    "64",
-    "--bandwidth-mib",
-    "4",
-]
+TOY = (
+    "--batch 1,2 --context 8,16 --prompt 4 --steps 2 --warmup 1 --repeats 1 "
+    "--n-layer 1 --d-model 32 --n-head 2 --vocab-size 64 --bandwidth-mib 4"
+).split()
+MLA = "mla:kv_lora_rank=16:rope_head_dim=8"
+EG = "eg-mla:kv_lora_rank=16:rope_head_dim=8:kv_emb_dim=8"
+# decode modes asked for: naive,absorbed,table -> what each mechanism distinguishes
+MODES = {
+    "mha": ["auto"],
+    "gqa:n_kv_head=1": ["auto"],
+    MLA: ["naive", "absorbed"],
+    EG: ["naive", "auto", "table"],
+}
+ROUTES = {"naive": "naive", "absorbed": "absorbed", "auto": "auto"}
+EG_ROUTES = {"naive": "materialised", "auto": "rebuild", "table": "gate table"}
 DECODE_FIELDS = (
-    "median_ms",
-    "min_ms",
-    "max_ms",
-    "tokens_per_s",
-    "kv_cache_bytes",
-    "peak_mem_bytes",
-    "bytes_per_step",
-    "floor_ms",
-    "roofline_ratio",
-    "achieved_gbs",
-)
+    "median_ms min_ms max_ms tokens_per_s kv_cache_bytes peak_mem_bytes bytes_per_step floor_ms roofline_ratio "
+    "achieved_gbs flops_per_step compute_floor_ms"
+).split()
 
 
 def _args(*argv):
@@ -63,45 +44,72 @@ def _run(capsys, *argv):
 
 
 def test_toy_run_emits_complete_json_and_plot(capsys, tmp_path):
-    mla = "mla:kv_lora_rank=16:rope_head_dim=8"
-    variants = f"mha,gqa:n_kv_head=1,{mla}" if HAS_MLA else "mha,gqa:n_kv_head=1"
     out = tmp_path / "r.json"
+    variants = ",".join(MODES)
     res = _run(
-        capsys, "--variants", variants, "--modes", "naive,absorbed", "--no-peers", "--out", str(out), *TOY
+        capsys,
+        "--variants",
+        variants,
+        "--modes",
+        "naive,absorbed,table",
+        "--no-peers",
+        "--out",
+        str(out),
+        *TOY,
     )
     assert json.loads(out.read_text()) == res
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     hw = res["hardware"]
     assert hw["bandwidth_gbs"] > 0 and hw["matmul_fp32_gflops"] > 0
     assert res["machine"]["torch"] == torch.__version__ and res["machine"]["cores"] >= 1
-    labels = variants.split(",")
-    assert list(res["models"]) == labels
-    modes = {label: (["naive", "absorbed"] if label == mla else ["auto"]) for label in labels}
-    expected = {(v, m, b, c) for v in labels for m in modes[v] for b in (1, 2) for c in (8, 16)}
+    assert list(res["models"]) == list(MODES)
+    expected = {(v, m, b, c) for v in MODES for m in MODES[v] for b in (1, 2) for c in (8, 16)}
     assert {(r["variant"], r["mode"], r["batch"], r["context"]) for r in res["decode"]} == expected
     for r in res["decode"]:
         for f in DECODE_FIELDS:
             assert r[f] > 0, (f, r)
         assert r["impl"] == "kvlm" and r["n"] == 2 and r["min_ms"] <= r["median_ms"] <= r["max_ms"]
+        assert r["route"] == (EG_ROUTES if r["variant"] == EG else ROUTES)[r["mode"]]
         m = res["models"][r["variant"]]
         per_token = m["naive_kv_bytes_per_token"] if r["mode"] == "naive" else m["kv_bytes_per_token"]
         assert r["kv_cache_bytes"] == r["batch"] * r["context"] * per_token
         assert r["bytes_per_step"] == m["streamed_weight_bytes"] + r["kv_cache_bytes"]
         assert r["floor_ms"] == pytest.approx(r["bytes_per_step"] / hw["bandwidth_gbs"] / 1e6)
+        assert r["compute_floor_ms"] == pytest.approx(r["flops_per_step"] / hw["matmul_fp32_gflops"] / 1e6)
         assert r["tokens_per_s"] == pytest.approx(r["batch"] * 1e3 / r["median_ms"])
-    prefill_modes = {label: (["naive", "auto"] if label == mla else ["auto"]) for label in labels}
+        # the precomputed gate table: vocab x 2 h d_h floats for the one layer
+        assert r["extra_state_bytes"] == (64 * 2 * 32 * 4 if r["mode"] == "table" else 0)
+    # FLOPs counted in the MHA decode step (first step: context + 1 keys): every weight matrix once per
+    # sequence (all parameters but the norms; the tied embedding is the LM head), and q.k plus p.v per head
+    n_matmul = (
+        count_parameters(
+            bench.parse_variant("mha", {"n_layer": 1, "d_model": 32, "n_head": 2, "vocab_size": 64})[1]
+        )["total"]
+        - 3 * 32
+    )
+    for r in res["decode"]:
+        if r["variant"] == "mha":
+            assert r["flops_per_step"] == r["batch"] * (2 * n_matmul + 4 * 2 * (r["context"] + 1) * 16)
+    prefill_modes = {
+        "mha": ["auto"],
+        "gqa:n_kv_head=1": ["auto"],
+        MLA: ["naive", "auto"],
+        EG: ["naive", "auto", "table"],
+    }
     assert {(r["variant"], r["mode"], r["batch"]) for r in res["prefill"]} == {
-        (v, m, b) for v in labels for m in prefill_modes[v] for b in (1, 2)
+        (v, m, b) for v in MODES for m in prefill_modes[v] for b in (1, 2)
     }
     for r in res["prefill"]:
         assert r["prompt"] == 4 and r["median_ms"] > 0 and r["tokens_per_s"] > 0 and r["kv_cache_bytes"] > 0
-    # MHA with one KV head per query head: 2 h d_h floats per token per layer
+    # per token per layer: MHA 2 h d_h floats, MQA 2 d_h, MLA d_c + d_h^R (naive: h (d_h + d_h^R) + h d_h)
     assert res["models"]["mha"]["kv_bytes_per_token"] == 2 * 32 * 4
     assert res["models"]["gqa:n_kv_head=1"]["kv_bytes_per_token"] == 2 * 16 * 4
-    if HAS_MLA:
-        m = res["models"][mla]  # compact: c_kv + k_rope; naive: per-head K (d_h + d_h^R) and V (d_h)
-        assert m["kv_bytes_per_token"] == (16 + 8) * 4
-        assert m["naive_kv_bytes_per_token"] == 2 * (16 + 8 + 16) * 4
+    for label in (MLA, EG):
+        assert res["models"][label]["kv_bytes_per_token"] == (16 + 8) * 4
+        assert res["models"][label]["naive_kv_bytes_per_token"] == 2 * (16 + 8 + 16) * 4
+    eg_rows = bench.eg_mla_vs_mla(res)
+    assert {r["route"] for r in eg_rows} == set(EG_ROUTES.values()) and len(eg_rows) == 3 * 4
+    assert res["targets"] and all(t["claim"].startswith("decode within 2x") for t in res["targets"])  # < 1K
 
 
 def test_streamed_weight_bytes_counts_every_matrix_once():
@@ -140,13 +148,15 @@ def test_bad_options_give_one_clear_error(argv, message):
 
 
 # --- peers --------------------------------------------------------------------------------------------
-PEER_CASES = [("mha", {}), ("mqa", {}), ("gqa", {"n_kv_head": 2}), ("gqa", {"n_kv_head": 2, "bias": True})]
-if HAS_MLA:
-    PEER_CASES += [
-        ("mla", {}),
-        ("mla", {"q_lora_rank": 32}),
-        ("mla", {"kv_lora_rank": 48, "rope_head_dim": 4}),
-    ]
+PEER_CASES = [
+    ("mha", {}),
+    ("mqa", {}),
+    ("gqa", {"n_kv_head": 2}),
+    ("gqa", {"n_kv_head": 2, "bias": True}),
+    ("mla", {}),
+    ("mla", {"q_lora_rank": 32}),
+    ("mla", {"kv_lora_rank": 48, "rope_head_dim": 4}),
+]
 
 
 def _model(attention, overrides):
@@ -182,7 +192,7 @@ def test_peer_synthetic_cache_matches_real_cache_layout():
     pytest.importorskip("transformers", reason="transformers not installed (pip install 'kvlm[hf]')")
     from kvlm.peers import build_peer
 
-    for attention in ["gqa"] + (["mla"] if HAS_MLA else []):
+    for attention in ("gqa", "mla"):
         model = _model(attention, {})
         peer = build_peer(model)
         cache = peer.new_cache()
@@ -200,6 +210,9 @@ def test_peer_synthetic_cache_matches_real_cache_layout():
         ("gqa", {"n_kv_head": 2, "gated": True}, "gated"),
         ("mha", {"rope": False}, "RoPE"),
         ("mha", {"arch": "gpt2"}, "arch"),
+        ("mla", {"latent_scaling": True}, "unscaled"),
+        ("mla", {"kv_latent": "separate"}, "separate"),
+        ("eg-mla", {}, "no transformers implementation"),
     ],
 )
 def test_peer_unavailable_says_why(attention, overrides, why):

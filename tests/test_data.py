@@ -189,3 +189,28 @@ def test_hugging_face_source_needs_datasets(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
     with pytest.raises(DataError, match="needs the `datasets` package"):
         prepare("tinystories", tmp_path / "out")
+
+
+def test_hugging_face_source_wiring(tmp_path, monkeypatch):
+    """The datasets calls, with a stand-in module (these machines are offline)."""
+    import types
+
+    rows = {
+        "train": [{"text": f"train story {i}"} for i in range(30)],
+        "validation": [{"text": "a val story"}],
+    }
+    calls = []
+
+    def load_dataset(name, config=None, split=None, streaming=False):
+        calls.append((name, config, split, streaming))
+        return iter(rows[split])
+
+    fake = types.SimpleNamespace(
+        get_dataset_split_names=lambda name, config=None: list(rows), load_dataset=load_dataset
+    )
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    data = prepare("tinystories", tmp_path / "out", vocab_size=300)
+    assert documents(data.train, data.tokenizer) == [f"train story {i}" for i in range(30)]
+    assert documents(data.val, data.tokenizer) == ["a val story"]
+    assert ("roneneldan/TinyStories", None, "validation", True) in calls
+    assert data.meta["source"] == "hf:roneneldan/TinyStories"

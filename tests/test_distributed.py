@@ -53,8 +53,9 @@ def test_per_rank_cache_is_mlra_table1(row):
 
 # --- the multi-process runs ---------------------------------------------------------------------------
 # (attention, overrides, extra checks): "modes" decodes in all four attention modes, "sample" compares
-# seeded sampling too. Two ranks: every mechanism and its options; four ranks: every mechanism, including
-# the replicated cases (GQA/GTA with g = 2, GLA-2 beyond its 2 latent heads, MLRA branches on different ranks).
+# seeded sampling too. Two ranks: every mechanism and its options; four ranks (one layer, to keep the run
+# short): every mechanism, including the replicated cases (GQA/GTA with g = 2, GLA-2 beyond its 2 latent
+# heads, MLRA-2 with the two branches of a head on different ranks).
 TP2 = [
     ("mha", {"arch": "gpt2", "bias": True}, {"sample"}),
     ("mqa", {}, set()),
@@ -77,21 +78,49 @@ TP2 = [
     ("tpa", {"rope": False, "arch": "gpt2", "bias": True}, {"modes"}),
 ]
 TP4 = [
-    ("mha", {}, {"sample"}),
-    ("gqa", {"n_kv_head": 2}, set()),
-    ("mla", {"q_lora_rank": 32, "gated": True}, set()),
-    ("eg-mla", {}, set()),
-    ("gla-2", {"arch": "gpt2", "bias": True}, set()),
-    ("mlra-2", {"q_lora_rank": 32, "latent_scaling": True, "attn_out_scaling": True}, {"modes"}),
-    ("mlra-4", {"q_lora_rank": 32, "latent_scaling": True, "attn_out_scaling": True, "gated": True}, set()),
-    ("gta", {"n_kv_head": 2}, set()),
-    ("mfa", {"q_lora_rank": 32}, set()),
-    ("tpa", {}, set()),
+    ("mha", {"n_layer": 1}, {"sample"}),
+    ("gqa", {"n_layer": 1, "n_kv_head": 2}, set()),
+    ("mla", {"n_layer": 1, "q_lora_rank": 32, "gated": True}, set()),
+    ("eg-mla", {"n_layer": 1}, set()),
+    ("gla-2", {"n_layer": 1, "arch": "gpt2", "bias": True}, set()),
+    (
+        "mlra-2",
+        {"n_layer": 1, "q_lora_rank": 32, "latent_scaling": True, "attn_out_scaling": True},
+        {"modes"},
+    ),
+    (
+        "mlra-4",
+        {"n_layer": 1, "q_lora_rank": 32, "latent_scaling": True, "attn_out_scaling": True, "gated": True},
+        set(),
+    ),
+    ("gta", {"n_layer": 1, "n_kv_head": 2}, set()),
+    ("mfa", {"n_layer": 1, "q_lora_rank": 32}, set()),
+    ("tpa", {"n_layer": 1}, set()),
 ]
 EP = [
     ("eg-mla", {}),
     ("eg-mla", {"eg_group_size": 2, "n_layer": 4, "kv_emb_dim": 15, "arch": "gpt2", "bias": True}),  # uneven
 ]
+
+
+DP = [("mla", {"q_lora_rank": 32}), ("mlra-2", {"arch": "gpt2", "bias": True})]
+
+
+def _check_dp(results):
+    bad = []
+    for attention, overrides in DP:
+        key = f"{attention}{overrides}"
+        for rank, r in enumerate(res["dp"][key] for res in results):
+            if "error" in r:
+                bad.append(f"dp {key} rank {rank}: {r['error']}")
+                continue
+            if r["logits_err"] > 1e-12:
+                bad.append(f"dp {key} rank {rank}: logits differ by {r['logits_err']}")
+            if r["greedy"][0] != r["greedy"][1]:
+                bad.append(f"dp {key} rank {rank}: tokens {r['greedy'][1]} != {r['greedy'][0]}")
+            if r["cache_elements_per_token"] != r["full_elements_per_token"]:
+                bad.append(f"dp {key} rank {rank}: a rank caches whole layers for its own requests")
+    return bad
 
 
 def _check_tp(world, results, cases):
@@ -177,8 +206,8 @@ def _check_ep(world, results):
 @pytest.mark.distributed
 @pytest.mark.parametrize("world,cases", [(2, TP2), (4, TP4)], ids=["2ranks", "4ranks"])
 def test_tensor_and_embedding_parallel(tmp_path, world, cases):
-    results = workers.run(workers.all_checks, world, str(tmp_path), cases, EP)
-    bad = _check_tp(world, results, cases) + _check_ep(world, results)
+    results = workers.run(workers.all_checks, world, str(tmp_path), cases, EP, DP)
+    bad = _check_tp(world, results, cases) + _check_ep(world, results) + _check_dp(results)
     assert not bad, "\n".join(bad)
 
 

@@ -30,7 +30,9 @@ def _decode(model, tokens, mode, prefill=5):
     return torch.cat(out, 1)
 
 
-@pytest.mark.parametrize("overrides", [{}, {"eg_group_size": 2, "n_layer": 4}, {"eg_op": "add", "eg_norm": False}])
+@pytest.mark.parametrize(
+    "overrides", [{}, {"eg_group_size": 2, "n_layer": 4}, {"eg_op": "add", "eg_norm": False}]
+)
 def test_gate_table_route_equals_rebuild_and_full(overrides):
     model = _model(**overrides)
     tokens = torch.randint(0, model.cfg.vocab_size, (2, 10))
@@ -107,8 +109,16 @@ def test_gate_embedding_parameters_as_the_paper_counts(lgz, n_layer):
 def test_paper_base_model_embedding_size():
     """eg-mla.md Table 10's EG-MLA-Base: 12 layers, GPT-2 vocabulary, kv_emb_dim 256 -> 154M embed params."""
     cfg = tiny_config(
-        "eg-mla", n_layer=12, d_model=768, n_head=12, vocab_size=50257, kv_emb_dim=256, arch="gpt2",
-        kv_lora_rank=64, rope_head_dim=64, max_seq_len=1024,
+        "eg-mla",
+        n_layer=12,
+        d_model=768,
+        n_head=12,
+        vocab_size=50257,
+        kv_emb_dim=256,
+        arch="gpt2",
+        kv_lora_rank=64,
+        rope_head_dim=64,
+        max_seq_len=1024,
     )
     assert round(count_parameters(cfg)["gate_embedding"] / 1e6) == 154
     assert cfg.kv_cache_elements_per_token() == 12 * (64 + 64)  # Table 10's 1.54K elements per token
@@ -117,7 +127,9 @@ def test_paper_base_model_embedding_size():
 def test_cache_is_mla_latent_and_token_ids():
     model = _model(torch.float32)
     cfg = model.cfg
-    assert cfg.cache_spec() == tiny_config("mla").cache_spec() == {"c_kv": (cfg.kv_lora_rank,), "k_rope": (8,)}
+    assert (
+        cfg.cache_spec() == tiny_config("mla").cache_spec() == {"c_kv": (cfg.kv_lora_rank,), "k_rope": (8,)}
+    )
     cache = model.new_cache(2, 8)
     tokens = torch.randint(0, cfg.vocab_size, (2, 5))
     model(tokens, cache=cache)
@@ -145,7 +157,10 @@ def test_missing_token_ids_are_a_clear_error():
     step.token_ids = None
     with pytest.raises(ValueError, match="token_ids"):
         attn(x, step)
-    cache = {"c_kv": torch.zeros(1, 4, 32, dtype=torch.float64), "k_rope": torch.zeros(1, 4, 8, dtype=torch.float64)}
+    cache = {
+        "c_kv": torch.zeros(1, 4, 32, dtype=torch.float64),
+        "k_rope": torch.zeros(1, 4, 8, dtype=torch.float64),
+    }
     with pytest.raises(CacheError, match="token ids"):
         attn(x, Step.build(torch.zeros(1, 3, dtype=torch.long)), cache)
 

@@ -113,8 +113,14 @@ def test_latent_attention_fused_float32_matches_float64_math(masked):
     """The float32 route (SDPA with the RoPE scores as additive mask) against the float64 plain matmuls."""
     B, H, T, S, dc, dr = 3, 4, 3, 11, 32, 8
     g = torch.Generator().manual_seed(1)
-    q, qr = torch.randn(B, H, T, dc, generator=g, dtype=torch.float64), torch.randn(B, H, T, dr, generator=g, dtype=torch.float64)
-    c, kr = torch.randn(B, S, dc, generator=g, dtype=torch.float64), torch.randn(B, S, dr, generator=g, dtype=torch.float64)
+    q, qr = (
+        torch.randn(B, H, T, dc, generator=g, dtype=torch.float64),
+        torch.randn(B, H, T, dr, generator=g, dtype=torch.float64),
+    )
+    c, kr = (
+        torch.randn(B, S, dc, generator=g, dtype=torch.float64),
+        torch.randn(B, S, dr, generator=g, dtype=torch.float64),
+    )
     tokens = torch.zeros(B, T, dtype=torch.long)
     step = Step.build(tokens, start=S - T, pad=torch.tensor([0, 2, 5]) if masked == "ragged" else None)
     assert step.mask is not None
@@ -127,6 +133,33 @@ def test_latent_attention_fused_float32_matches_float64_math(masked):
     fast = latent_attention(q2.float(), qr2.float(), c.float(), kr.float(), c.float(), causal, 0.3)
     assert (fast.double() - ref).abs().max() < 1e-5
     assert (ref[:, :, 0] - c[:, None, 0]).abs().max() < 1e-12  # the first token sees only itself
+
+
+@pytest.mark.parametrize("pad", [None, [0, 2, 5]])
+def test_attend_split_rope_bias_equals_concatenated_keys(pad, monkeypatch):
+    """Decode-sized calls add the shared RoPE key's scores as a mask; longer ones concatenate K: same result."""
+    import kvlm.attention.mla as mla_mod
+
+    B, H, T, S, dh, dr = 3, 4, 3, 11, 16, 8
+    q, qr = torch.randn(B, H, T, dh, dtype=torch.float64), torch.randn(B, H, T, dr, dtype=torch.float64)
+    k, v = (
+        torch.randn(B, S, H, dh, dtype=torch.float64).transpose(1, 2),
+        torch.randn(B, H, S, dh, dtype=torch.float64),
+    )
+    kr = torch.randn(B, S, dr, dtype=torch.float64)
+    step = Step.build(
+        torch.zeros(B, T, dtype=torch.long), start=S - T, pad=None if pad is None else torch.tensor(pad)
+    )
+    scores = (
+        torch.cat([q, qr], -1) @ torch.cat([k, kr[:, None].expand(-1, H, -1, -1)], -1).transpose(-1, -2)
+    ) * 0.3
+    mask = step.mask if step.mask is not None else torch.ones(T, S, dtype=torch.bool).tril(S - T)
+    ref = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+    bias_route = mla_mod.attend_split(q, qr, k, kr, v, step, 0.3)
+    monkeypatch.setattr(mla_mod, "_BIAS_ELEMENTS", 0)
+    cat_route = mla_mod.attend_split(q, qr, k, kr, v, step, 0.3)
+    assert (bias_route - ref).abs().max() < 1e-12
+    assert (cat_route - ref).abs().max() < 1e-12
 
 
 def _paper_params(d, h, dh, dr, dc, dq):
@@ -142,12 +175,21 @@ def _paper_params(d, h, dh, dr, dc, dq):
 def test_parameter_count_equals_paper(overrides):
     cfg = tiny_config("mla", **overrides)
     attn = MLA(cfg, 0)
-    d, h, dh, dr, dc, dq = cfg.d_model, cfg.n_head, cfg.head_dim, cfg.rope_head_dim, cfg.kv_lora_rank, cfg.q_lora_rank
+    d, h, dh, dr, dc, dq = (
+        cfg.d_model,
+        cfg.n_head,
+        cfg.head_dim,
+        cfg.rope_head_dim,
+        cfg.kv_lora_rank,
+        cfg.q_lora_rank,
+    )
     norms = dc + dq  # RMSNorm weights on c^KV and c^Q
     assert sum(p.numel() for p in attn.parameters()) == _paper_params(d, h, dh, dr, dc, dq) + norms
     # separate latents: a second down-projection and norm, W^UK / W^UV unchanged
     sep = MLA(cfg.replace(kv_latent="separate"), 0)
-    assert sum(p.numel() for p in sep.parameters()) == _paper_params(d, h, dh, dr, dc, dq) + norms + dc * d + dc
+    assert (
+        sum(p.numel() for p in sep.parameters()) == _paper_params(d, h, dh, dr, dc, dq) + norms + dc * d + dc
+    )
 
 
 @pytest.mark.parametrize("overrides", [{}, {"rope": False}, {"kv_latent": "separate", "kv_lora_rank": 32}])

@@ -4,6 +4,7 @@ import json
 import math
 import pathlib
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -101,17 +102,29 @@ def test_saved_run_folder(stories, tmp_path):
     assert result["steps"] == 4 and result["final_val_loss"] == res.final_val_loss
 
 
+def test_token_and_time_budgets(stories):
+    res = train(tiny(stories), quick(max_steps=None, max_tokens=200), stories, progress=False, log=None)
+    assert res.steps == 4 and res.tokens == 256  # ceil(200 / (4 x 16)) steps
+    t0 = time.perf_counter()
+    res = train(tiny(stories), quick(max_steps=None, max_minutes=0.005), stories, progress=False, log=None)
+    assert res.steps >= 1 and time.perf_counter() - t0 < 30
+    assert res.final_val_loss is not None and res.val_losses[-1][0] == res.steps  # evaluated at the end
+
+
 def test_schedule_warmup_then_cosine_to_ten_percent():
     t = TrainConfig(lr=1.0, warmup_steps=10, max_steps=110)
-    lrs = [lr_at(t, s, (s - 10) / 100) for s in range(110)]
+    lrs = [lr_at(t, s) for s in range(110)]
     assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
     assert all(a <= b for a, b in zip(lrs[:10], lrs[1:10]))
     assert lrs[10] == pytest.approx(1.0)
     assert lrs[60] == pytest.approx(0.55)  # halfway down the cosine: (1 + 0.1) / 2
-    assert lr_at(t, 110, 1.0) == pytest.approx(0.1)
+    assert lr_at(t, 110) == pytest.approx(0.1)
     assert all(a >= b for a, b in zip(lrs[10:], lrs[11:]))
-    # the default warm-up: 5 % of the steps, at most 100
+    # the default warm-up: 5 % of the steps, at most 100; or 5 % of a time budget, then cosine in time
     assert TrainConfig(max_steps=40).warmup() == 2 and TrainConfig(max_steps=10_000).warmup() == 100
+    timed = TrainConfig(lr=1.0, max_steps=None, max_minutes=1.0)
+    assert lr_at(timed, 0, 1.5) == pytest.approx(0.5) and lr_at(timed, 5, 3.0) == pytest.approx(1.0)
+    assert lr_at(timed, 9, 31.5) == pytest.approx(0.55) and lr_at(timed, 9, 60.0) == pytest.approx(0.1)
 
 
 def test_weight_decay_on_matrices_only(stories):

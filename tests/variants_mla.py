@@ -3,7 +3,10 @@
 VARIANTS = [
     ("mla", {}),  # DeepSeek form: plain W^Q, d_c = 4 d_h, d_h^R = d_h / 2, RMSNorm on the latent
     ("mla", {"q_lora_rank": 32}),  # query compression (Eqs. 37-39)
-    ("mla", {"q_lora_rank": 32, "latent_scaling": True, "kv_lora_rank": 24}),  # alpha_q, alpha_kv (mlra.md 3.3)
+    (
+        "mla",
+        {"q_lora_rank": 32, "latent_scaling": True, "kv_lora_rank": 24},
+    ),  # alpha_q, alpha_kv (mlra.md 3.3)
     ("mla", {"rope": False}),  # no RoPE at all: no W^QR, W^KR, k_rope
     ("mla", {"rope_head_dim": 16, "latent_norm": False}),
     ("mla", {"kv_latent": "separate", "kv_lora_rank": 32}),  # small-LM form, r = d/2, with RoPE

@@ -46,7 +46,7 @@ from torch import nn
 
 from kvlm.attention import register
 from kvlm.attention.base import Step, require
-from kvlm.attention.mla import MLA, attend_padded
+from kvlm.attention.mla import MLA, attend_padded, attend_split
 from kvlm.cache import CacheError
 from kvlm.config import ModelConfig
 
@@ -154,12 +154,16 @@ class EGMLA(MLA):
         return g
 
     def gated_kv(self, c_kv: torch.Tensor, ids: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
-        """c^KV (B, S, d_c), token ids (B, S) -> k^C, v^C (B, h, S, d_h) (Eqs. 2-6)."""
+        """c^KV (B, S, d_c), token ids (B, S) -> k^C, v^C (B, h, S, d_h) (Eqs. 2-6), strided views of one
+        (B, S, h, 2 d_h) tensor."""
         B, S, _ = c_kv.shape
         h, dh = self.n_head, self.head_dim
         kv = self.w_ukv(c_kv)
         g = self.embedding_gate(ids, step)
-        kv = kv + g if self.cfg.eg_op == "add" else kv * g
+        if kv.requires_grad or g.requires_grad:
+            kv = kv + g if self.cfg.eg_op == "add" else kv * g
+        else:  # inference: in place, S x 2 h d_h floats per layer is as big as the naive cache
+            kv = kv.add_(g) if self.cfg.eg_op == "add" else kv.mul_(g)
         if self.ln_emb is not None:
             kv = self.ln_emb(kv)
         kv = kv.view(B, S, h, 2 * dh).transpose(1, 2)
@@ -180,14 +184,15 @@ class EGMLA(MLA):
         mode = step.mode
         q_nope, q_rope = self.query(x, step)
         lat = self.latents(x, step)
-        if cache is None:
-            k, v = self.expanded_kv(lat, step.token_ids, step)
-        elif mode == "naive":
+        ids = step.token_ids
+        if cache is not None and mode == "naive":
             if "k" not in cache:
                 raise CacheError("mode='naive' needs model.new_cache(..., naive=True)")
-            k, v = self.expanded_kv(lat, step.token_ids, step)
+            k, v = self.expanded_kv(lat, ids, step)
             k, v = self.write(cache, "k", k, step), self.write(cache, "v", v, step)
-        else:
+            q = torch.cat([q_nope, q_rope], dim=-1) if q_rope is not None else q_nope
+            return self.output(attend_padded(q, k, v, step, self.scale), x)
+        if cache is not None:  # rebuild: every cached token's keys and values from its latent and its token
             if "c_kv" not in cache:
                 raise CacheError(f"mode={mode!r} needs the compact cache (model.new_cache(..., naive=False))")
             if step.cached_token_ids is None:
@@ -199,10 +204,11 @@ class EGMLA(MLA):
                     "latent); running the rebuild route instead",
                     stacklevel=2,
                 )
-            lat = {n: self.write(cache, n, t, step) for n, t in lat.items()}  # rebuild
-            k, v = self.expanded_kv(lat, step.cached_token_ids, step)
-        q = torch.cat([q_nope, q_rope], dim=-1) if q_rope is not None else q_nope
-        return self.output(attend_padded(q, k, v, step, self.scale), x)
+            lat = {n: self.write(cache, n, t, step) for n, t in lat.items()}
+            ids = step.cached_token_ids
+        k_nope, v = self.gated_kv(lat["c_kv"], ids, step)
+        o = attend_split(q_nope, q_rope, k_nope, lat.get("k_rope"), v, step, self.scale)
+        return self.output(o, x)
 
 
 def precompute_gate_tables(model: nn.Module, enable: bool = True) -> int:

@@ -417,16 +417,16 @@ class MLA(Attention):
                 return self.forward_absorbed(x, step, cache)
         q_nope, q_rope = self.query(x, step)
         lat = self.latents(x, step)
-        if cache is None:
-            k, v = self.expanded_kv(lat)
-        elif mode == "naive":
+        if cache is not None and mode == "naive":
             k, v = self.expanded_kv(lat)
             k, v = self.write(cache, "k", k, step), self.write(cache, "v", v, step)
-        else:  # expand: the whole cached latent back to per-head keys and values
+            q = torch.cat([q_nope, q_rope], dim=-1) if q_rope is not None else q_nope
+            return self.output(attend_padded(q, k, v, step, self.scale), x)
+        if cache is not None:  # expand: the whole cached latent back to per-head keys and values
             lat = {n: self.write(cache, n, t, step) for n, t in lat.items()}
-            k, v = self.expanded_kv(lat)
-        q = torch.cat([q_nope, q_rope], dim=-1) if q_rope is not None else q_nope
-        return self.output(attend_padded(q, k, v, step, self.scale), x)
+        k_nope, v = self.up_project(lat)
+        o = attend_split(q_nope, q_rope, k_nope, lat.get("k_rope"), v, step, self.scale)
+        return self.output(o, x)
 
     def forward_absorbed(self, x: torch.Tensor, step: Step, cache: dict[str, torch.Tensor]) -> torch.Tensor:
         """Write the new latents, then attend in latent space (mlra.md Sec. 2.1 Steps 1-3)."""
@@ -436,6 +436,43 @@ class MLA(Attention):
         c_k, c_v = self.latent_kv(lat)
         z = latent_attention(q_lat, q_rope, c_k, lat.get("k_rope"), c_v, step, self.scale)
         return self.absorbed_output(z, x, aw)
+
+
+# attend_split adds the RoPE scores as a float mask while that (B, h, T, S) tensor stays this small
+_BIAS_ELEMENTS = 1 << 22
+
+
+def attend_split(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor | None,
+    k_nope: torch.Tensor,
+    k_rope: torch.Tensor | None,
+    v: torch.Tensor,
+    step: Step,
+    scale: float,
+) -> torch.Tensor:
+    """Attention with per-head keys [k^C_i; k^R] whose RoPE part k^R is one vector shared by all heads (Eq. 44).
+
+    q_nope (B, h, T, d_h), q_rope (B, h, T, d_R) or None, k_nope (B, h, S, d_h) (any strides), k_rope (B, S, d_R),
+    v (B, h, S, d_h). For decode-sized calls the shared RoPE key is never broadcast into h copies: its scores
+    scale q^R k^R^T come from one (B, h T, d_R) x (B, d_R, S) matmul and enter SDPA as an additive mask, while
+    the d_h-wide nope part runs in SDPA's fused kernel (5x faster than concatenating K on CPU). Long prefills
+    and training concatenate instead, keeping SDPA's O(T) memory.
+    """
+    if q_rope is None:
+        return attend(q_nope, k_nope, v, step, scale)
+    B, H, T, _ = q_nope.shape
+    S = k_nope.shape[2]
+    if T == 1 or B * H * T * S <= _BIAS_ELEMENTS:
+        bias = torch.bmm(q_rope.reshape(B, H * T, -1), k_rope.transpose(1, 2)).mul_(scale).view(B, H, T, S)
+        mask = step.mask
+        if mask is None and step.causal and T > 1:
+            mask = torch.ones(T, S, dtype=torch.bool, device=q_nope.device).tril(S - T)
+        if mask is not None:
+            bias = bias.masked_fill(~mask, float("-inf"))
+        return F.scaled_dot_product_attention(q_nope, k_nope, v, attn_mask=bias, scale=scale)
+    k = torch.cat([k_nope, k_rope[:, None].expand(-1, H, -1, -1)], dim=-1)
+    return attend_padded(torch.cat([q_nope, q_rope], dim=-1), k, v, step, scale)
 
 
 def attend_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step, scale: float) -> torch.Tensor:

@@ -212,5 +212,37 @@ def ep_cases(rank, world, cases):
     return results
 
 
-def all_checks(rank, world, tp, ep):
-    return {"tp": tp_cases(rank, world, tp), "ep": ep_cases(rank, world, ep)}
+def dp_cases(rank, world, cases):
+    """Data-parallel attention: rank r serves its own requests (prompts of other lengths than the other
+    ranks'); its logits and greedy tokens must be those one process gets for the same requests."""
+    from kvlm.distributed import shard_model
+    from kvlm.generate import generate
+
+    results = {}
+    for attention, overrides in cases:
+        key = f"{attention}{overrides}"
+        try:
+            cfg = _tiny(attention, overrides)
+            model = _model(cfg)
+            dp = shard_model(model, rank, world, attention="dp")
+            g = torch.Generator().manual_seed(5)
+            prompts = [
+                torch.randint(0, cfg.vocab_size, (3 + i,), generator=g).tolist() for i in range(2 * world)
+            ]
+            mine = prompts[2 * rank : 2 * rank + 2]
+            tokens = torch.tensor(mine[1][: 3 + rank])[None]  # a different length on every rank
+            with torch.no_grad():
+                err = (dp(tokens) - model(tokens)).abs().max().item()
+            results[key] = {
+                "logits_err": err,
+                "greedy": (generate(model, prompts, 5)[2 * rank : 2 * rank + 2], generate(dp, mine, 5)),
+                "cache_elements_per_token": dp.new_cache(1, 4).elements_per_token,
+                "full_elements_per_token": cfg.kv_cache_elements_per_token(),
+            }
+        except Exception as e:
+            results[key] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
+    return results
+
+
+def all_checks(rank, world, tp, ep, dp):
+    return {"tp": tp_cases(rank, world, tp), "ep": ep_cases(rank, world, ep), "dp": dp_cases(rank, world, dp)}
