@@ -49,10 +49,11 @@ REFERENCE_SHAPE = dict(n_layer=6, d_model=768, n_head=12, vocab_size=32000)
 
 # named benchmarks; explicit command-line options override a suite's values
 SUITES: dict[str, dict[str, Any]] = {
+    # a few seconds: the tests' size
     "toy": dict(
         shape=dict(n_layer=2, d_model=64, n_head=4, vocab_size=256),
-        variants="mha,gqa,mla",
-        modes="naive,absorbed",
+        variants="mha,gqa,mla,eg-mla",
+        modes="naive,absorbed,table",
         batch="1,2",
         context="16,32",
         prompt="8",
@@ -61,10 +62,11 @@ SUITES: dict[str, dict[str, Any]] = {
         repeats=2,
         bandwidth_mib=16,
     ),
+    # the lead's reference point: batch 8, 4096 cached tokens
     "reference": dict(
         shape=REFERENCE_SHAPE,
         variants="mha,gqa,mla,eg-mla",
-        modes="naive,absorbed",
+        modes="naive,absorbed,table",
         batch="8",
         context="4096",
         prompt="128",
@@ -72,13 +74,50 @@ SUITES: dict[str, dict[str, Any]] = {
         warmup=2,
         repeats=3,
     ),
-    "sweep": dict(
+    # decode latency against context length (MLRA Figs. 5-6, EG-MLA Fig. 4), batch 1 and batch 8
+    "sweep-b1": dict(
         shape=REFERENCE_SHAPE,
         variants="mha,gqa,mla,eg-mla",
-        modes="naive,absorbed",
+        modes="naive,absorbed,table",
         batch="1",
         context="512,1024,2048,4096,8192",
-        prompt="128,512",
+        prompt="128,512,2048",
+        steps=5,
+        warmup=1,
+        repeats=3,
+    ),
+    "sweep-b8": dict(
+        shape=REFERENCE_SHAPE,
+        variants="mha,gqa,mla,eg-mla",
+        modes="naive,absorbed,table",
+        batch="8",
+        context="512,1024,2048,4096,8192",
+        prompt="128",
+        steps=4,
+        warmup=1,
+        repeats=2,
+    ),
+    # mla-small-lm.md Sec. 5.4: MLA+RoPE with r = d/2 against full rank r = d (9L-512d, GPT-2 blocks)
+    "small-lm": dict(
+        shape={},
+        variants="small-lm/9L-512d/mha,small-lm/9L-512d/mla-rope-r512,small-lm/9L-512d/mla-rope-r256,"
+        "small-lm/9L-512d/mla-rope-r128",
+        modes="naive,absorbed",
+        batch="1,8",
+        context="512,2048",
+        prompt="128",
+        steps=6,
+        warmup=2,
+        repeats=3,
+    ),
+    # the MLRA paper's mechanisms next to MHA / GQA / MLA (mlra.md Figs. 5-6), batch 1
+    "mlra": dict(
+        shape=REFERENCE_SHAPE,
+        variants="mha,gqa,mla,gla-2,mlra-2,mlra-4,gta,mfa,tpa",
+        modes="absorbed",
+        batch="1",
+        context="1024,4096,8192",
+        prompt="512",
         steps=5,
         warmup=1,
         repeats=3,

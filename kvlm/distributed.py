@@ -28,6 +28,7 @@ Run ``python -m kvlm.distributed --help`` for the runnable entries (under torchr
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import copy
 import json
@@ -757,6 +758,55 @@ def sharded_parameter_names(model: nn.Module) -> list[str]:
     return [n for n, p in model.named_parameters() if getattr(p, "is_sharded_gate_embedding", False)]
 
 
+def clip_grad_norm(model: nn.Module, max_norm: float, group=None) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ for a model with sharded gate tables (call after backward, when DDP
+    has averaged the replicated gradients): the squared norms of the ranks' slices are summed across ranks,
+    so every rank gets the norm of the whole gradient and scales by the same factor. Returns that norm."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    sharded = [p.grad for p in params if getattr(p, "is_sharded_gate_embedding", False)]
+    replicated = [p.grad for p in params if not getattr(p, "is_sharded_gate_embedding", False)]
+    device = params[0].grad.device if params else torch.device("cpu")
+
+    def sq(grads):
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        return sum((g.detach().double().pow(2).sum() for g in grads), zero)
+
+    sq_sharded = sq(sharded)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(sq_sharded, group=group)
+    total = (sq(replicated) + sq_sharded).sqrt()
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for p in params:
+        p.grad.mul_(coef.to(p.grad.dtype))
+    return total
+
+
+def gather_gate_embeddings(model: nn.Module, group=None) -> nn.Module:
+    """A copy of the model with every sharded gate table gathered back into one nn.Embedding (a collective:
+    every rank calls it; each gets the full model), e.g. for rank 0 to save an ordinary checkpoint."""
+    full = copy_model(model)
+    done: dict[int, nn.Embedding] = {}
+    for parent in list(full.modules()):
+        for attr, child in list(parent.named_children()):
+            if not isinstance(child, ShardedGateEmbedding):
+                continue
+            if id(child) not in done:
+                w = child.weight.detach()
+                widest = max(child.bounds[r + 1] - child.bounds[r] for r in range(child.world))
+                padded = w.new_zeros(w.shape[0], widest)
+                padded[:, : w.shape[1]] = w
+                parts = [torch.empty_like(padded) for _ in range(child.world)]
+                dist.all_gather(parts, padded.contiguous(), group=group)
+                widths = [child.bounds[r + 1] - child.bounds[r] for r in range(child.world)]
+                table = torch.cat([p[:, :wd] for p, wd in zip(parts, widths)], dim=1)
+                emb = nn.Embedding(child.num_embeddings, child.embedding_dim, device=w.device, dtype=w.dtype)
+                emb.weight.data.copy_(table)
+                emb.weight.is_gate_embedding = True
+                done[id(child)] = emb
+            setattr(parent, attr, done[id(child)])
+    return full
+
+
 def wrap_ddp(model: nn.Module, device: torch.device | None = None, **kw) -> nn.Module:
     """DistributedDataParallel over the replicated parameters only; sharded gate tables are left out."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -780,9 +830,15 @@ def tp_setup(tp: int, device: str | None = None) -> TPContext:
     processes) and silence stdout on ranks other than 0, so that the command prints its result once."""
     ctx = init_tp(device=None if device in (None, "auto") else device)
     require_world(tp, ctx)
+    atexit.register(_shutdown)  # a gloo group left open at exit aborts the process ("terminate called ...")
     if ctx.rank != 0:
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (lives as long as the process)
     return ctx
+
+
+def _shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _gather(obj, ctx: TPContext) -> list:
@@ -869,13 +925,21 @@ def tp_bench(
             row["check"] = check_against_single_process(full, model)
             del full
         for mode in modes:
+            run_mode = mode
+            if mode == "table":  # EG-MLA-A: each rank precomputes the gate of its heads for every token
+                from kvlm.attention.eg_mla import precompute_gate_tables
+
+                precompute_gate_tables(model, True)
+                run_mode = "auto"
             for b in batch:
                 for p in prompt:
                     r = bench_prefill(model, b, p, "naive" if mode == "naive" else "auto", 1, repeats)
                     row["prefill"].append({"mode": mode, "batch": b, "prompt": p, **r})
                 for c in context:
-                    r = bench_decode(model, b, c, mode, warmup, steps)
+                    r = bench_decode(model, b, c, run_mode, warmup, steps)
                     row["decode"].append({"mode": mode, "batch": b, "context": c, **r})
+            if mode == "table":
+                precompute_gate_tables(model, False)
         rows.extend(r for r in _gather(row, ctx))
         if ctx.is_main:
             _log_tp_rows(rows[-ctx.world :], log)
@@ -1156,6 +1220,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"kvlm.distributed {args.command}: error: {e}", file=sys.stderr)
         return 1
+    finally:
+        _shutdown()
 
 
 def _main(args) -> int:
@@ -1223,7 +1289,6 @@ def _main(args) -> int:
             print(json.dumps({"tp": ctx.world, "rows": rows}))
     if dist.is_initialized():
         dist.barrier()
-        dist.destroy_process_group()
     return 0
 
 

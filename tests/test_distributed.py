@@ -182,6 +182,9 @@ def _check_ep(world, results):
         for rank, r in enumerate(per_rank):
             if r["loss_err"] > 1e-12:
                 bad.append(f"{key} rank {rank}: loss differs by {r['loss_err']}")
+            for what in ("norm_err", "clipped_err", "gathered_err"):
+                if r[what] > 1e-12:
+                    bad.append(f"{key} rank {rank}: {what} {r[what]}")
             worst = max(r["grad_err"], key=r["grad_err"].get)
             if r["grad_err"][worst] > 1e-12:
                 bad.append(f"{key} rank {rank}: gradient of {worst} differs by {r['grad_err'][worst]}")
@@ -256,3 +259,63 @@ def test_shards_hold_a_fraction_of_the_weights():
         assert sum(sum(p.numel() for p in s.mlp.parameters()) for s in shards) == sum(
             p.numel() for p in full.mlp.parameters()
         )
+
+
+# --- the launched commands (torchrun) -------------------------------------------------------------------
+
+
+def _torchrun(nproc, *args, timeout=300):
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_generate_tp_under_torchrun(tmp_path, capsys):
+    import json
+
+    from kvlm.checkpoint import save_checkpoint
+    from kvlm.cli import main
+    from kvlm.tokenizer import train_bpe
+
+    tok = train_bpe(["The cat sat on the mat and looked at the moon."] * 5, vocab_size=280)
+    torch.manual_seed(0)
+    model = build_model(tiny_config("mlra-4", vocab_size=tok.vocab_size))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(5.0)  # peaked logits: greedy choices far from ties
+    save_checkpoint(tmp_path / "ckpt", model, tokenizer=tok)
+    args = ["generate", str(tmp_path / "ckpt"), "--prompt", "The cat", "--max-new-tokens", "8", "--no-stop"]
+    args += ["--json", "--device", "cpu"]
+    assert main(args) == 0
+    one = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    out = _torchrun(2, "-m", "kvlm.cli", *args, "--tp", "2")
+    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+    assert len(lines) == 1  # rank 0 alone prints
+    assert json.loads(lines[0])["token_ids"] == one["token_ids"]
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_embedding_parallel_bench_under_torchrun():
+    import json
+
+    common = ["-m", "kvlm.distributed", "embedding-parallel-bench", "--preset", "eg-mla", "--json"]
+    common += ["--set", "vocab_size=2048", "--set", "kv_emb_dim=64", "--batch", "2", "--seq", "16"]
+    common += ["--steps", "2", "--warmup", "1", "--device", "cpu"]
+    runs = {}
+    for mode in ("vanilla", "dimension-wise"):
+        runs[mode] = json.loads(_torchrun(2, *common, "--mode", mode).strip().splitlines()[-1])["ranks"]
+    tables = 4 * 2048 * 64 * 4  # n_layer (ModelConfig default) x vocab x width x fp32 bytes
+    for v, d in zip(runs["vanilla"], runs["dimension-wise"]):
+        assert v["gate_table_bytes"] == tables and d["gate_table_bytes"] == tables // 2
+        assert d["parameter_bytes"] == v["parameter_bytes"] - tables // 2
+        assert d["optimizer_state_bytes"] == v["optimizer_state_bytes"] - tables  # AdamW: two moments
+        assert d["comm_ms"] is not None and v["comm_ms"] is None

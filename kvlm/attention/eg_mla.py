@@ -153,7 +153,9 @@ class EGMLA(MLA):
         step._eg_gate_memo = (self.emb_gate, ids, g)
         return g
 
-    def gated_kv(self, c_kv: torch.Tensor, ids: torch.Tensor, step: Step) -> tuple[torch.Tensor, torch.Tensor]:
+    def gated_kv(
+        self, c_kv: torch.Tensor, ids: torch.Tensor, step: Step
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """c^KV (B, S, d_c), token ids (B, S) -> k^C, v^C (B, h, S, d_h) (Eqs. 2-6), strided views of one
         (B, S, h, 2 d_h) tensor."""
         B, S, _ = c_kv.shape
@@ -170,7 +172,9 @@ class EGMLA(MLA):
         return kv[..., :dh], kv[..., dh:]
 
     def absorbed_weights(self):
-        raise NotImplementedError("eg-mla has no absorbed weights: the LayerNorm of Eq. 5 is nonlinear in c^KV")
+        raise NotImplementedError(
+            "eg-mla has no absorbed weights: the LayerNorm of Eq. 5 is nonlinear in c^KV"
+        )
 
     def expanded_kv(self, lat, ids=None, step=None):
         k, v = self.gated_kv(lat["c_kv"], ids, step)
@@ -178,7 +182,9 @@ class EGMLA(MLA):
             k = torch.cat([k, lat["k_rope"][:, None].expand(-1, self.n_head, -1, -1)], dim=-1)
         return k, v
 
-    def forward(self, x: torch.Tensor, step: Step, cache: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, step: Step, cache: dict[str, torch.Tensor] | None = None
+    ) -> torch.Tensor:
         if step.token_ids is None:
             raise ValueError("eg-mla gates keys and values by token: step.token_ids is required")
         mode = step.mode

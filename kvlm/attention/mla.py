@@ -117,8 +117,11 @@ def latent_attention(
                 bias = torch.zeros(B, H * T, S, dtype=q.dtype, device=q.device)
             bias.view(B, H, T, S).masked_fill_(~mask, float("-inf"))
         z = F.scaled_dot_product_attention(
-            q.reshape(B, 1, H * T, Dc), c_k[:, None], c_v[:, None],
-            attn_mask=bias[:, None] if bias is not None else None, scale=scale,
+            q.reshape(B, 1, H * T, Dc),
+            c_k[:, None],
+            c_v[:, None],
+            attn_mask=bias[:, None] if bias is not None else None,
+            scale=scale,
         )
         return z.view(B, H, T, Dc)
     scores = torch.bmm((q * scale).reshape(B, H * T, Dc), c_k.transpose(1, 2))  # (B, H T, S)
@@ -316,7 +319,7 @@ class MLA(Attention):
     def fold_choice(self) -> tuple[bool, bool]:
         """(fold W^UQ with W~^UK, fold W~^UV into W^O): by default whenever the folded matrix is smaller, i.e.
         fewer weight bytes are read per decode step; never for W^O when an output gate sits between them."""
-        d, h, dh, dc = self.cfg.d_model, self.n_head, self.head_dim, self.kv_lora_rank
+        d, dh, dc = self.cfg.d_model, self.head_dim, self.kv_lora_rank
         n_in = self.q_lora_rank or d
         can_out = self.gate is None
         if self.absorb_fold == "none":
@@ -361,7 +364,9 @@ class MLA(Attention):
             aw.b_ov = b
         return aw
 
-    def absorb_query(self, x: torch.Tensor, step: Step, aw: AbsorbedWeights) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def absorb_query(
+        self, x: torch.Tensor, step: Step, aw: AbsorbedWeights
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x (B, T, d) -> q~ = q^C W~^UK (B, h, T, d_c) (Step 1) and q^R (B, h, T, d_h^R) or None."""
         B, T, _ = x.shape
         c_q = self.query_input(x)
@@ -404,14 +409,20 @@ class MLA(Attention):
         cheaper = dc <= dh or n_new * (dc - dh) < dc * dh
         return cheaper and n_new * self.absorb_ratio <= end
 
-    def forward(self, x: torch.Tensor, step: Step, cache: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, step: Step, cache: dict[str, torch.Tensor] | None = None
+    ) -> torch.Tensor:
         mode = step.mode
         if cache is not None:
             naive_cache = "k" in cache
             if naive_cache != (mode == "naive"):
                 raise CacheError(
-                    f"mode={mode!r} needs " + ("model.new_cache(..., naive=True)" if mode == "naive" else
-                                                "the compact cache (model.new_cache(..., naive=False))")
+                    f"mode={mode!r} needs "
+                    + (
+                        "model.new_cache(..., naive=True)"
+                        if mode == "naive"
+                        else "the compact cache (model.new_cache(..., naive=False))"
+                    )
                 )
             if mode == "absorbed" or (mode == "auto" and self.prefers_absorbed(step.n_new, step.end)):
                 return self.forward_absorbed(x, step, cache)
@@ -457,13 +468,13 @@ def attend_split(
     v (B, h, S, d_h). For decode-sized calls the shared RoPE key is never broadcast into h copies: its scores
     scale q^R k^R^T come from one (B, h T, d_R) x (B, d_R, S) matmul and enter SDPA as an additive mask, while
     the d_h-wide nope part runs in SDPA's fused kernel (5x faster than concatenating K on CPU). Long prefills
-    and training concatenate instead, keeping SDPA's O(T) memory.
+    and training (where SDPA with a float mask falls back to its math kernels) concatenate instead.
     """
     if q_rope is None:
         return attend(q_nope, k_nope, v, step, scale)
     B, H, T, _ = q_nope.shape
     S = k_nope.shape[2]
-    if T == 1 or B * H * T * S <= _BIAS_ELEMENTS:
+    if T == 1 or (B * H * T * S <= _BIAS_ELEMENTS and not torch.is_grad_enabled()):
         bias = torch.bmm(q_rope.reshape(B, H * T, -1), k_rope.transpose(1, 2)).mul_(scale).view(B, H, T, S)
         mask = step.mask
         if mask is None and step.causal and T > 1:
@@ -475,7 +486,9 @@ def attend_split(
     return attend_padded(torch.cat([q_nope, q_rope], dim=-1), k, v, step, scale)
 
 
-def attend_padded(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step, scale: float) -> torch.Tensor:
+def attend_padded(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step, scale: float
+) -> torch.Tensor:
     """``attend`` for values narrower than queries (d_h vs d_h + d_h^R): zero-pad v to the query width so SDPA's
     fused kernels (O(T) memory, no (T, S) score matrix) run, then drop the padding. Float64 (exact tests) and
     single-query decode keep the plain math path, where padding buys nothing."""

@@ -8,7 +8,7 @@ import math
 import torch
 
 from kvlm.reference import register
-from kvlm.reference.common import causal_attention, linear, output, rope
+from kvlm.reference.common import causal_attention, linear, output
 from kvlm.reference.mla import mla_latents, mla_query
 
 

@@ -143,7 +143,9 @@ def ep_cases(rank, world, cases):
     from kvlm.distributed import (
         GateExchange,
         ShardedGateEmbedding,
+        clip_grad_norm,
         copy_model,
+        gather_gate_embeddings,
         parameter_bytes,
         shard_gate_embeddings,
         wrap_ddp,
@@ -179,6 +181,23 @@ def ep_cases(rank, world, cases):
                     want = want[:, emb.bounds[rank] : emb.bounds[rank + 1]]
                     r.setdefault("sharded", []).append((n, tuple(p.shape)))
                 r["grad_err"][n] = (p.grad - want).abs().max().item()
+            # gradient clipping sees the whole gradient's norm on every rank
+            norm = clip_grad_norm(ep, 0.1)
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+            r["norm_err"] = abs(norm.item() - ref_norm.item())
+            r["clipped_err"] = 0.0
+            for n, p in ep.named_parameters():
+                want = ref_grads[n]
+                if getattr(p, "is_sharded_gate_embedding", False):
+                    emb = ep.get_submodule(n.rsplit(".", 1)[0])
+                    want = want[:, emb.bounds[rank] : emb.bounds[rank + 1]]
+                r["clipped_err"] = max(r["clipped_err"], (p.grad - want).abs().max().item())
+            # gathering the slices gives back the original tables (what a checkpoint saves)
+            full = gather_gate_embeddings(ep)
+            r["gathered_err"] = max(
+                (a - b).abs().max().item()
+                for a, b in zip(full.state_dict().values(), model.state_dict().values())
+            )
             r["param_bytes"] = parameter_bytes(ep)
             r["param_bytes_unsharded"] = parameter_bytes(model)
             r["gate_bytes"] = sum(

@@ -1,0 +1,426 @@
+"""`kvlm import-hf`: import a Llama-architecture Hugging Face model into kvlm, optionally converting it to MLA.
+
+Import (``import_llama``): a ``LlamaForCausalLM`` (a folder, a GGUF file that transformers reads, or a model
+object) becomes a kvlm ``mha`` / ``gqa`` / ``mqa`` model (by its number of key-value heads) with the same
+logits. Weights copy one to one: kvlm's RoPE is the half-split ``rotate_half`` form of HF Llama, and
+transformers' GGUF loader already undoes llama.cpp's q/k row permutation. RoPE scaling, biases on only part of
+the projections and activations other than SiLU have no kvlm equivalent and raise ``ConvertError``.
+
+Conversion to MLA (``gqa_to_mla``), after TransMLA (Meng et al. 2025) and MHA2MLA (Ji et al. 2025):
+
+1. Partial RoPE (MHA2MLA's high-frequency choice): of each head's d_h/2 rotary frequencies keep the first
+   r = d_h^R / 2 (the fastest) as the decoupled RoPE part. They stay exact: kvlm's RoPE over d_h^R dims with
+   theta' = theta^(d_h^R / d_h) has frequencies theta'^(-2a/d_h^R) = theta^(-2a/d_h), a < r.
+2. MLA's k_rope is one vector shared by all heads (DeepSeek-V2 Eq. 43), a GQA model has g rotary keys. For
+   each kept frequency we mix the g kv heads' pairs with an orthogonal map (it commutes with the rotation, as
+   TransMLA's RoRoPE) chosen by PCA of the keys, and keep its first component as k_rope; query head i of
+   group j gets that component's weight u_f[j]. The rest of each key (its other g - 1 components at kept
+   frequencies, and every non-kept frequency) joins the NoPE part, without rotation: the approximation. With
+   g = 1 nothing is left over, so MQA (or any model with one kv head) converts exactly.
+3. The NoPE keys (d_h per head, zero-free: the full head in a permuted order) and the values are compressed
+   jointly into c_kv of rank d_c by PCA of their activations (TransMLA's BKV-PCA: keys are first scaled to
+   the values' norm, so neither dominates the principal directions); without calibration data, SVD of the
+   weights. With d_c >= rank([W_K^NoPE; W_V]) (<= min(2 g d_h, d)) this step is exact.
+4. The softmax scale 1/sqrt(d_h + d_h^R) of MLA (Eq. 46) is undone by scaling W^Q by sqrt((d_h + d_h^R) / d_h).
+
+So the conversion reproduces the original logits (float tolerance) when g = 1, d_h^R = d_h and d_c is full.
+For g > 1 exactness needs one k_rope head per kv head (MHA2MLA keeps per-head RoPE keys): kvlm's MLA has a
+single shared one; ``convert_report()`` records what each setting keeps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+
+from kvlm.config import ModelConfig
+from kvlm.model import KVLM, build_model
+
+
+class ConvertError(ValueError):
+    """A source model kvlm cannot represent, or conversion settings that do not fit it."""
+
+
+# --- import ------------------------------------------------------------------------------------------------
+def llama_config_to_kvlm(hf_cfg, max_seq_len: int | None = None) -> ModelConfig:
+    """transformers LlamaConfig -> kvlm ModelConfig (attention mha / gqa / mqa by num_key_value_heads)."""
+    get = lambda name, default=None: getattr(hf_cfg, name, default)  # noqa: E731
+    if get("model_type") not in ("llama", None) and not _is_llama_like(hf_cfg):
+        raise ConvertError(f"model_type {get('model_type')!r} is not a Llama-architecture model")
+    act = get("hidden_act", "silu")
+    if act != "silu":
+        raise ConvertError(f"hidden_act={act!r}: kvlm's SwiGLU uses SiLU")
+    rope = get("rope_parameters") or {}
+    scaling = get("rope_scaling")
+    rope_type = (rope.get("rope_type") if isinstance(rope, dict) else None) or "default"
+    if rope_type != "default" or (scaling and (scaling.get("rope_type") or scaling.get("type")) not in (None, "default")):
+        raise ConvertError(
+            f"RoPE scaling ({rope_type if rope_type != 'default' else scaling}) is not implemented in kvlm's "
+            "RotaryEmbedding; only plain RoPE models import"
+        )
+    theta = (rope.get("rope_theta") if isinstance(rope, dict) else None) or get("rope_theta") or 10000.0
+    attn_bias, mlp_bias = bool(get("attention_bias", False)), bool(get("mlp_bias", False))
+    if attn_bias != mlp_bias:
+        raise ConvertError(f"attention_bias={attn_bias} but mlp_bias={mlp_bias}: kvlm's `bias` covers both")
+    h = get("num_attention_heads")
+    g = get("num_key_value_heads") or h
+    attention = "mha" if g == h else "mqa" if g == 1 else "gqa"
+    return ModelConfig(
+        attention=attention,
+        n_layer=get("num_hidden_layers"),
+        d_model=get("hidden_size"),
+        n_head=h,
+        n_kv_head=g,
+        head_dim=get("head_dim") or get("hidden_size") // h,
+        vocab_size=get("vocab_size"),
+        max_seq_len=max_seq_len or get("max_position_embeddings"),
+        arch="llama",
+        ffn_dim=get("intermediate_size"),
+        tie_embeddings=bool(get("tie_word_embeddings", False)),
+        norm_eps=float(get("rms_norm_eps", 1e-6)),
+        bias=attn_bias,
+        rope=True,
+        rope_theta=float(theta),
+        note=f"imported from Hugging Face {get('_name_or_path') or 'Llama'}",
+    )
+
+
+def _is_llama_like(hf_cfg) -> bool:
+    # Mistral-style configs without sliding windows share Llama's weights and math
+    return getattr(hf_cfg, "model_type", "") in ("mistral",) and not getattr(hf_cfg, "sliding_window", None)
+
+
+_LAYER_MAP = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "mlp_norm.weight",
+    "self_attn.q_proj": "attn.wq",
+    "self_attn.k_proj": "attn.wk",
+    "self_attn.v_proj": "attn.wv",
+    "self_attn.o_proj": "attn.wo",
+    "mlp.gate_proj": "mlp.w1",
+    "mlp.up_proj": "mlp.w2",
+    "mlp.down_proj": "mlp.wo",
+}
+
+
+def llama_state_to_kvlm(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF Llama state dict names -> kvlm names (values unchanged)."""
+    out = {}
+    for name, t in state.items():
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        key = name.removeprefix("model.")
+        if key == "embed_tokens.weight":
+            out["embed.weight"] = t
+        elif key == "norm.weight":
+            out["norm.weight"] = t
+        elif key == "lm_head.weight":
+            out["lm_head.weight"] = t
+        elif key.startswith("layers."):
+            _, i, rest = key.split(".", 2)
+            for src, dst in _LAYER_MAP.items():
+                if rest.startswith(src):
+                    out[f"layers.{i}.{dst}{rest[len(src):]}"] = t
+                    break
+            else:
+                raise ConvertError(f"no kvlm place for Llama weight {name}")
+        else:
+            raise ConvertError(f"no kvlm place for Llama weight {name}")
+    return out
+
+
+def load_hf_llama(source: str | Path, gguf_file: str | None = None):
+    """-> (transformers model (float32, eval), transformers tokenizer or None). ``source``: a folder, or a
+    .gguf file (transformers dequantises it; needs the gguf package)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = Path(source)
+    if source.suffix == ".gguf" and gguf_file is None:
+        source, gguf_file = source.parent, source.name
+    if not source.exists():
+        raise FileNotFoundError(f"no Hugging Face model at {source}")
+    kw = {"gguf_file": gguf_file} if gguf_file else {}
+    model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32, **kw).eval()
+    try:
+        tok = AutoTokenizer.from_pretrained(str(source), **kw)
+    except (OSError, ValueError):
+        tok = None
+    return model, tok
+
+
+def import_llama(hf_model, max_seq_len: int | None = None) -> KVLM:
+    """A transformers Llama model object -> kvlm model with the same weights (float32)."""
+    cfg = llama_config_to_kvlm(hf_model.config, max_seq_len)
+    state = llama_state_to_kvlm({k: v.detach().float() for k, v in hf_model.state_dict().items()})
+    if cfg.tie_embeddings:
+        state.pop("lm_head.weight", None)
+    model = build_model(cfg)
+    expected = set(model.state_dict())
+    if cfg.tie_embeddings:
+        expected.discard("lm_head.weight")
+    missing, extra = expected - set(state), set(state) - expected
+    if missing or extra:
+        raise ConvertError(f"Llama weights do not fit: missing {sorted(missing)[:4]}, unexpected {sorted(extra)[:4]}")
+    model.load_state_dict(state, strict=False)
+    return model.eval()
+
+
+def kvlm_tokenizer(hf_tokenizer):
+    """transformers fast tokenizer -> kvlm Tokenizer (its end-of-text token is the model's eos)."""
+    from kvlm.tokenizer import Tokenizer
+
+    backend = getattr(hf_tokenizer, "backend_tokenizer", None) or getattr(hf_tokenizer, "_tokenizer", None)
+    if backend is None:
+        raise ConvertError("the source tokenizer is not a fast (tokenizers-library) tokenizer")
+    eos = "<|endoftext|>" if backend.token_to_id("<|endoftext|>") is not None else hf_tokenizer.eos_token
+    return Tokenizer(backend, eos_token=eos)
+
+
+# --- calibration --------------------------------------------------------------------------------------------
+@torch.no_grad()
+def attention_input_moments(model: KVLM, tokens: torch.Tensor | None, batch: int = 4) -> list[torch.Tensor]:
+    """Per layer E[x x^T] (d x d, float64) of the attention input x (after attn_norm) over ``tokens``
+    (B, T); identity matrices without tokens (then the PCA steps reduce to SVDs of the weights)."""
+    d = model.cfg.d_model
+    if tokens is None:
+        return [torch.eye(d, dtype=torch.float64) for _ in model.layers]
+    sums = [torch.zeros(d, d, dtype=torch.float64) for _ in model.layers]
+    count = [0]
+    hooks = []
+    for i, layer in enumerate(model.layers):
+
+        def hook(mod, args, i=i):
+            x = args[0].reshape(-1, d).double()
+            sums[i] += x.T @ x
+            if i == 0:
+                count[0] += x.shape[0]
+
+        hooks.append(layer.attn.register_forward_pre_hook(hook))
+    try:
+        for s in range(0, tokens.shape[0], batch):
+            model(tokens[s : s + batch].to(model.embed.weight.device))
+    finally:
+        for h in hooks:
+            h.remove()
+    return [m.cpu() / max(count[0], 1) for m in sums]
+
+
+def _top_eigvecs(c: torch.Tensor, k: int) -> torch.Tensor:
+    """Columns: the k leading eigenvectors of the symmetric PSD matrix c (float64)."""
+    vals, vecs = torch.linalg.eigh(c)
+    return vecs[:, vals.argsort(descending=True)[:k]]
+
+
+# --- GQA -> MLA --------------------------------------------------------------------------------------------
+def mla_config_for(src: ModelConfig, kv_lora_rank: int | None = None, rope_head_dim: int | None = None) -> ModelConfig:
+    """The MLA config a conversion of ``src`` produces (full rank / all rotary dims by default)."""
+    if src.attention not in ("mha", "mqa", "gqa"):
+        raise ConvertError(f"only mha / mqa / gqa models convert to MLA, not {src.attention!r}")
+    if not src.rope or src.arch != "llama":
+        raise ConvertError("conversion expects a Llama-style model with RoPE")
+    if src.bias:
+        raise ConvertError("conversion of models with biases is not implemented")
+    dh, g, d = src.head_dim, src.n_kv_head, src.d_model
+    dr = dh if rope_head_dim is None else rope_head_dim
+    if dr <= 0 or dr % 2 or dr > dh:
+        raise ConvertError(f"rope_head_dim must be even and in [2, head_dim={dh}], got {dr}")
+    full = min(2 * g * dh, d)
+    dc = full if kv_lora_rank is None else kv_lora_rank
+    if not 0 < dc <= d:
+        raise ConvertError(f"kv_lora_rank must be in [1, d_model={d}], got {dc}")
+    return src.replace(
+        attention="mla",
+        n_kv_head=src.n_head,
+        kv_lora_rank=dc,
+        rope_head_dim=dr,
+        rope_theta=src.rope_theta ** (dr / dh),  # keeps the first dr/2 frequencies exactly (step 1)
+        q_lora_rank=0,
+        latent_norm=False,
+        latent_scaling=False,
+        kv_latent="joint",
+        gated=False,
+        note=f"{src.note + '; ' if src.note else ''}converted from {src.attention} (g={g}) to MLA: "
+        f"d_c={dc}, d_h^R={dr}",
+    )
+
+
+@torch.no_grad()
+def gqa_to_mla(
+    model: KVLM,
+    kv_lora_rank: int | None = None,
+    rope_head_dim: int | None = None,
+    calib_tokens: torch.Tensor | None = None,
+    balance_kv: bool = True,
+) -> KVLM:
+    """Convert a kvlm mha/gqa/mqa model into an MLA model (see the module docstring). ``calib_tokens``
+    (B, T) token ids for the activation statistics; None: weight SVD. Returns a new float32 model."""
+    src = model.cfg
+    cfg = mla_config_for(src, kv_lora_rank, rope_head_dim)
+    h, g, dh, dr, dc = src.n_head, src.n_kv_head, src.head_dim, cfg.rope_head_dim, cfg.kv_lora_rank
+    r, per = dr // 2, src.n_head // src.n_kv_head
+    kept = list(range(r)) + list(range(dh // 2, dh // 2 + r))  # MLA rope index t <- original dim kept[t]
+    nope = [i for i in range(dh) if i not in kept]
+    order = torch.tensor(nope + kept)  # a head's NoPE key: its non-kept dims, then the kept dims' residual
+    q_scale = math.sqrt((dh + dr) / dh)  # undo MLA's 1/sqrt(d_h + d_h^R) (Eq. 46)
+    moments = attention_input_moments(model, calib_tokens)
+    out = build_model(cfg)
+    sd = {k: v for k, v in model.state_dict().items() if ".attn." not in k}
+    out.load_state_dict(sd, strict=False)
+    for li, (layer, new) in enumerate(zip(model.layers, out.layers)):
+        a, b = layer.attn, new.attn
+        sigma = moments[li]
+        wq = a.wq.weight.double().view(h, dh, -1)
+        wk = a.wk.weight.double().view(g, dh, -1)
+        wv = a.wv.weight.double().view(g, dh, -1)
+        # step 2: per kept frequency f, u_f = leading eigenvector of the g x g key covariance (both components)
+        wk_kept = wk[:, kept]  # (g, dr, d)
+        u = torch.empty(g, r, dtype=torch.float64)
+        for f in range(r):
+            c = sum(wk_kept[:, t] @ sigma @ wk_kept[:, t].T for t in (f, f + r))
+            u[:, f] = _top_eigvecs(c, 1)[:, 0]
+        u_t = torch.cat([u, u], dim=1)  # (g, dr): weight of rope index t is u[:, t mod r]
+        w_kr = torch.einsum("jt,jtd->td", u_t, wk_kept)  # shared k_rope rows (dr, d)
+        resid = wk_kept - u_t[:, :, None] * w_kr[None]  # (g, dr, d) left to the NoPE part
+        wk_nope = torch.cat([wk[:, nope], resid], dim=1)  # (g, dh, d), rows in `order`
+        # step 3: joint PCA of NoPE keys and values
+        k_rows, v_rows = wk_nope.reshape(g * dh, -1), wv.reshape(g * dh, -1)
+        beta = 1.0
+        if balance_kv:
+            ek = torch.einsum("nd,de,ne->", k_rows, sigma, k_rows)
+            ev = torch.einsum("nd,de,ne->", v_rows, sigma, v_rows)
+            beta = float(torch.sqrt(ek / ev)) if ev > 0 and ek > 0 else 1.0
+        m = torch.cat([k_rows / beta, v_rows])  # (2 g dh, d)
+        basis = _top_eigvecs(m @ sigma @ m.T, dc)  # (2 g dh, dc)
+        w_dkv = basis.T @ m  # c_kv = W^DKV x (Eq. 41, no norm)
+        up_k = (basis[: g * dh] * beta).view(g, dh, dc)
+        up_v = basis[g * dh :].view(g, dh, dc)
+        group = torch.arange(h) // per
+        # queries: NoPE part in `order`, rope part weighted by u of the head's group (step 2), all scaled (step 4)
+        q_nope = wq[:, order]  # (h, dh, d)
+        q_rope = wq[:, kept] * u_t[group][:, :, None]  # (h, dr, d)
+        b.wq.weight.copy_((torch.cat([q_nope, q_rope], dim=1) * q_scale).reshape(h * (dh + dr), -1))
+        b.w_dkv.weight.copy_(w_dkv)
+        b.w_kr.weight.copy_(w_kr)
+        b.w_uk.weight.copy_(up_k[group].reshape(h * dh, dc))
+        b.w_uv.weight.copy_(up_v[group].reshape(h * dh, dc))
+        b.wo.weight.copy_(a.wo.weight)
+    return out.eval()
+
+
+def convert_report(src: ModelConfig, dst: ModelConfig, dtype_bytes: int = 2) -> dict:
+    """KV bytes per token (all layers) before and after, and what the conversion keeps exactly."""
+    before, after = src.kv_cache_bytes_per_token(dtype_bytes), dst.kv_cache_bytes_per_token(dtype_bytes)
+    full_rank = min(2 * src.n_kv_head * src.head_dim, src.d_model)
+    return {
+        "kv_bytes_per_token_before": before,
+        "kv_bytes_per_token_after": after,
+        "kv_saved_fraction": 1 - after / before,
+        "kv_lora_rank": dst.kv_lora_rank,
+        "rope_head_dim": dst.rope_head_dim,
+        "exact": src.n_kv_head == 1 and dst.rope_head_dim == src.head_dim and dst.kv_lora_rank >= full_rank,
+    }
+
+
+# --- perplexity on text -----------------------------------------------------------------------------------------
+def text_tokens(path: str | Path, tokenizer, n_tokens: int, seq_len: int) -> torch.Tensor:
+    """The first n_tokens of a .jsonl / .txt file, as (n_tokens // seq_len, seq_len) windows."""
+    from kvlm.evaluate import load_eval_tokens
+
+    ids = torch.as_tensor(load_eval_tokens(path, tokenizer, n_tokens + seq_len))
+    n = min(n_tokens, len(ids)) // seq_len
+    if n == 0:
+        raise ConvertError(f"{path}: fewer than {seq_len} tokens")
+    return ids[: n * seq_len].view(n, seq_len)
+
+
+@torch.no_grad()
+def window_perplexity(model: KVLM, windows: torch.Tensor, batch: int = 4) -> float:
+    total, count = 0.0, 0
+    for s in range(0, windows.shape[0], batch):
+        x = windows[s : s + batch]
+        logits = model(x[:, :-1]).double()
+        total += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten(), reduction="sum"))
+        count += x[:, 1:].numel()
+    return math.exp(total / count)
+
+
+def finetune(model: KVLM, windows: torch.Tensor, steps: int, lr: float = 1e-4, batch: int = 4, seed: int = 0,
+             only_attention: bool = True) -> list[float]:
+    """A short next-token fine-tune after conversion (AdamW, constant lr, float32), on ``windows`` (N, T)
+    cycled in a seeded order. only_attention: train the attention weights alone, which the conversion
+    changed. Returns the training losses. (``kvlm train`` has no start-from-checkpoint option yet.)"""
+    gen = torch.Generator().manual_seed(seed)
+    params = [p for n, p in model.named_parameters() if ".attn." in n or not only_attention]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    model.train()
+    losses = []
+    order = torch.randperm(windows.shape[0], generator=gen)
+    for step in range(steps):
+        idx = order[(torch.arange(batch) + step * batch) % windows.shape[0]]
+        x = windows[idx]
+        logits = model(x[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        losses.append(loss.item())
+    model.eval()
+    return losses
+
+
+# --- command line ---------------------------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("source", help="Hugging Face Llama folder, or a .gguf file")
+    p.add_argument("out", help="kvlm checkpoint folder to write")
+    p.add_argument("--gguf-file", default=None, help="GGUF file name inside the source folder")
+    p.add_argument("--max-seq-len", type=int, default=None, help="default: the model's max_position_embeddings")
+    p.add_argument("--mla", action="store_true", help="convert to MLA (TransMLA / MHA2MLA style)")
+    p.add_argument("--kv-lora-rank", type=int, default=None, help="d_c (default: full rank, exact latent)")
+    p.add_argument("--rope-head-dim", type=int, default=None, help="d_h^R rotary dims kept (default: head_dim)")
+    p.add_argument("--calib-data", default=None, help=".jsonl/.txt text for the PCA statistics (default: weights)")
+    p.add_argument("--calib-tokens", type=int, default=4096)
+    p.add_argument("--eval-data", default=None, help=".jsonl/.txt text: report perplexity before and after")
+    p.add_argument("--eval-tokens", type=int, default=4096)
+    p.add_argument("--seq-len", type=int, default=256, help="window length for calibration and perplexity")
+    p.add_argument("--json", action="store_true", help="the last stdout line is a JSON object")
+
+
+def main(args) -> int:
+    from kvlm.checkpoint import save_checkpoint
+
+    hf_model, hf_tok = load_hf_llama(args.source, args.gguf_file)
+    model = import_llama(hf_model, args.max_seq_len)
+    del hf_model
+    tok = kvlm_tokenizer(hf_tok) if hf_tok is not None else None
+    result: dict = {"source": str(args.source), "attention": model.cfg.attention}
+    eval_windows = None
+    if args.eval_data:
+        if tok is None:
+            raise ConvertError("--eval-data needs the source's tokenizer")
+        eval_windows = text_tokens(args.eval_data, tok, args.eval_tokens, args.seq_len)
+        result["perplexity_before"] = window_perplexity(model, eval_windows)
+    if args.mla:
+        calib = None
+        if args.calib_data:
+            if tok is None:
+                raise ConvertError("--calib-data needs the source's tokenizer")
+            calib = text_tokens(args.calib_data, tok, args.calib_tokens, args.seq_len)
+        src_cfg = model.cfg
+        model = gqa_to_mla(model, args.kv_lora_rank, args.rope_head_dim, calib)
+        result.update(convert_report(src_cfg, model.cfg))
+        result["attention"] = "mla"
+        if eval_windows is not None:
+            result["perplexity_after"] = window_perplexity(model, eval_windows)
+    save_checkpoint(args.out, model, tok, meta={"imported_from": str(args.source)})
+    result["out"] = str(args.out)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for k, v in result.items():
+            print(f"{k}: {v}")
+    return 0
