@@ -404,6 +404,8 @@ def roofline(
         "flops_per_step": flops,
         "compute_floor_ms": compute_ms,
         "compute_ratio": median_ms / compute_ms if compute_ms else None,
+        "roofline_floor_ms": max(floor_ms, compute_ms),  # the hardware limit: the larger of the two floors
+        "x_roofline": median_ms / max(floor_ms, compute_ms),
     }
 
 
@@ -444,113 +446,150 @@ def fill_cache(cache, length: int, vocab_size: int) -> None:
     cache.length = length
 
 
+def fit_to_budget(
+    first_s: float, warmup: int, steps: int, budget_s: float | None, minimum: int = 3
+) -> tuple[int, int]:
+    """Fewer timed steps for slow measurements, so that each stays near ``budget_s`` seconds: when the first
+    (untimed) step says warm-up + steps would overrun, skip the warm-up (that first step was one) and time
+    max(minimum, budget / first) steps."""
+    if budget_s and first_s * (warmup + steps) > budget_s:
+        return 0, max(minimum, min(steps, int(budget_s / first_s)))
+    return warmup, steps
+
+
 @torch.inference_mode()
-def bench_prefill(model: KVLM, batch: int, prompt: int, mode: str, warmup: int, repeats: int) -> dict:
-    """Latency of one prefill of ``batch`` x ``prompt`` tokens into a preallocated cache."""
-    device = model.embed.weight.device
-    tokens = torch.randint(0, model.cfg.vocab_size, (batch, prompt), device=device)
+def time_prefill(new_cache, forward, cache_bytes, device, warmup: int, repeats: int, budget_s=None) -> dict:
+    """Median latency of ``forward(cache)`` on fresh caches from ``new_cache()`` (allocation untimed)."""
     times = []
+    n = warmup + repeats
     with PeakMemory(device) as mem:
-        for i in range(warmup + repeats):
-            cache = model.new_cache(batch, prompt, naive=(mode == "naive"))
+        i = 0
+        while i < n:
+            cache = new_cache()
             _sync(device)
             t0 = time.perf_counter()
-            model(tokens, cache=cache, mode=mode, last_only=True).argmax(-1)
+            forward(cache).argmax(-1)
             _sync(device)
+            dt = time.perf_counter() - t0
+            if i == 0 and budget_s and dt * n > budget_s:  # slow: fewer repeats (at least 2)
+                n = warmup + max(2, min(repeats, int(budget_s / dt)))
             if i >= warmup:
-                times.append(time.perf_counter() - t0)
-            kv_bytes = cache.nbytes_used
+                times.append(dt)
+            kv_bytes = cache_bytes(cache)
             del cache
+            i += 1
     row = summarize(times)
-    row["tokens_per_s"] = batch * prompt / (row["median_ms"] * 1e-3)
     row.update(kv_cache_bytes=kv_bytes, peak_mem_bytes=mem.peak, peak_extra_bytes=mem.extra)
     return row
 
 
 @torch.inference_mode()
-def bench_decode(model: KVLM, batch: int, context: int, mode: str, warmup: int, steps: int) -> dict:
-    """Per-token decode latency with ``context`` tokens cached (greedy next token, as generate does)."""
-    device = model.embed.weight.device
+def time_decode(new_cache, step, device, warmup: int, steps: int, budget_s=None) -> dict:
+    """Per-step latency of ``tok = step(tok, cache)`` on the cache ``new_cache()`` returns (with its KV bytes);
+    the first step is untimed and its FLOPs counted."""
     with PeakMemory(device) as mem:
-        cache = model.new_cache(batch, context + 1 + warmup + steps, naive=(mode == "naive"))
-        fill_cache(cache, context, model.cfg.vocab_size)
-        kv_bytes = cache.nbytes_used
-        tok = torch.randint(0, model.cfg.vocab_size, (batch, 1), device=device)
-        with CountFlops() as flops:  # an untimed first step, counted
-            tok = model(tok, cache=cache, mode=mode, last_only=True).argmax(-1)
+        cache, kv_bytes, tok = new_cache()
+        _sync(device)
+        t0 = time.perf_counter()
+        with CountFlops() as flops:
+            tok = step(tok, cache)
+        _sync(device)
+        warmup, steps = fit_to_budget(time.perf_counter() - t0, warmup, steps, budget_s)
         times = []
         for i in range(warmup + steps):
             _sync(device)
             t0 = time.perf_counter()
-            tok = model(tok, cache=cache, mode=mode, last_only=True).argmax(-1)
+            tok = step(tok, cache)
             _sync(device)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)
-        allocated = cache.nbytes
         del cache
     row = summarize(times)
-    row["tokens_per_s"] = batch / (row["median_ms"] * 1e-3)
     row.update(
         kv_cache_bytes=kv_bytes,
-        kv_allocated_bytes=allocated,
         peak_mem_bytes=mem.peak,
         peak_extra_bytes=mem.extra,
         flops_per_step=flops.total,
     )
+    return row
+
+
+def bench_prefill(
+    model: KVLM, batch: int, prompt: int, mode: str, warmup: int, repeats: int, budget_s=None
+) -> dict:
+    """Latency of one prefill of ``batch`` x ``prompt`` tokens into a preallocated cache."""
+    device = model.embed.weight.device
+    tokens = torch.randint(0, model.cfg.vocab_size, (batch, prompt), device=device)
+    row = time_prefill(
+        lambda: model.new_cache(batch, prompt, naive=(mode == "naive")),
+        lambda cache: model(tokens, cache=cache, mode=mode, last_only=True),
+        lambda cache: cache.nbytes_used,
+        device,
+        warmup,
+        repeats,
+        budget_s,
+    )
+    row["tokens_per_s"] = batch * prompt / (row["median_ms"] * 1e-3)
+    return row
+
+
+def bench_decode(
+    model: KVLM, batch: int, context: int, mode: str, warmup: int, steps: int, budget_s=None
+) -> dict:
+    """Per-token decode latency with ``context`` tokens cached (greedy next token, as generate does)."""
+    device = model.embed.weight.device
+
+    def new_cache():
+        cache = model.new_cache(batch, context + 1 + warmup + steps, naive=(mode == "naive"))
+        fill_cache(cache, context, model.cfg.vocab_size)
+        return cache, cache.nbytes_used, torch.randint(0, model.cfg.vocab_size, (batch, 1), device=device)
+
+    row = time_decode(
+        new_cache,
+        lambda tok, cache: model(tok, cache=cache, mode=mode, last_only=True).argmax(-1),
+        device,
+        warmup,
+        steps,
+        budget_s,
+    )
+    row["tokens_per_s"] = batch / (row["median_ms"] * 1e-3)
     return row
 
 
 # --- peer measurements ------------------------------------------------------------------------------------
-@torch.inference_mode()
 def bench_peer_prefill(
-    peer, batch: int, prompt: int, vocab_size: int, device, warmup: int, repeats: int
+    peer, batch: int, prompt: int, vocab_size: int, device, warmup: int, repeats: int, budget_s=None
 ) -> dict:
     tokens = torch.randint(0, vocab_size, (batch, prompt), device=device)
-    times = []
-    with PeakMemory(device) as mem:
-        for i in range(warmup + repeats):
-            cache = peer.new_cache()
-            _sync(device)
-            t0 = time.perf_counter()
-            peer.forward(tokens, cache, last_only=True).argmax(-1)
-            _sync(device)
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
-            kv_bytes = peer.cache_nbytes(cache)
-            del cache
-    row = summarize(times)
+    row = time_prefill(
+        peer.new_cache,
+        lambda cache: peer.forward(tokens, cache, last_only=True),
+        peer.cache_nbytes,
+        device,
+        warmup,
+        repeats,
+        budget_s,
+    )
     row["tokens_per_s"] = batch * prompt / (row["median_ms"] * 1e-3)
-    row.update(kv_cache_bytes=kv_bytes, peak_mem_bytes=mem.peak, peak_extra_bytes=mem.extra)
     return row
 
 
-@torch.inference_mode()
 def bench_peer_decode(
-    peer, batch: int, context: int, vocab_size: int, device, warmup: int, steps: int
+    peer, batch: int, context: int, vocab_size: int, device, warmup: int, steps: int, budget_s=None
 ) -> dict:
-    with PeakMemory(device) as mem:
+    def new_cache():
         cache = peer.synthetic_cache(batch, context)
-        kv_bytes = peer.cache_nbytes(cache)
-        tok = torch.randint(0, vocab_size, (batch, 1), device=device)
-        with CountFlops() as flops:  # an untimed first step, counted
-            tok = peer.forward(tok, cache, last_only=True)[:, -1].argmax(-1, keepdim=True)
-        times = []
-        for i in range(warmup + steps):
-            _sync(device)
-            t0 = time.perf_counter()
-            tok = peer.forward(tok, cache, last_only=True)[:, -1].argmax(-1, keepdim=True)
-            _sync(device)
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
-        del cache
-    row = summarize(times)
-    row["tokens_per_s"] = batch / (row["median_ms"] * 1e-3)
-    row.update(
-        kv_cache_bytes=kv_bytes,
-        peak_mem_bytes=mem.peak,
-        peak_extra_bytes=mem.extra,
-        flops_per_step=flops.total,
+        return cache, peer.cache_nbytes(cache), torch.randint(0, vocab_size, (batch, 1), device=device)
+
+    row = time_decode(
+        new_cache,
+        lambda tok, cache: peer.forward(tok, cache, last_only=True)[:, -1].argmax(-1, keepdim=True),
+        device,
+        warmup,
+        steps,
+        budget_s,
     )
+    row["tokens_per_s"] = batch / (row["median_ms"] * 1e-3)
     return row
 
 
@@ -576,6 +615,7 @@ class Plan:
     bandwidth_mib: int
     seed: int = 0
     suite: str | None = None
+    budget_s: float | None = 30.0  # per measurement: slow ones time fewer steps (fit_to_budget)
 
 
 def run(plan: Plan, log=print) -> dict[str, Any]:
@@ -598,6 +638,7 @@ def run(plan: Plan, log=print) -> dict[str, Any]:
             "device": str(device),
             "peers": plan.peers,
             "seed": plan.seed,
+            "budget_s": plan.budget_s,
         },
     }
     log(f"measuring memory bandwidth ({plan.bandwidth_mib} MiB buffers) and matmul throughput ...")
@@ -659,12 +700,14 @@ def _run_mode(model, label, mode, plan: Plan, hw, weight_bytes, prefill, decode,
             key = (label, pmode, b, p)
             if any((r["variant"], r["mode"], r["batch"], r["prompt"]) == key for r in prefill):
                 continue
-            row = bench_prefill(model, b, p, "auto" if pmode == "table" else pmode, 1, plan.repeats)
+            row = bench_prefill(
+                model, b, p, "auto" if pmode == "table" else pmode, 1, plan.repeats, plan.budget_s
+            )
             proute = "auto" if pmode == "auto" else route_name(attention, pmode)  # auto prefill: expand
             prefill.append({**base, "route": proute, "mode": pmode, "batch": b, "prompt": p, **row})
             log(f"  prefill {proute:12s} B={b:<3d} T={p:<6d} {row['median_ms']:9.2f} ms")
         for c in plan.context:
-            row = bench_decode(model, b, c, run_mode, plan.warmup, plan.steps)
+            row = bench_decode(model, b, c, run_mode, plan.warmup, plan.steps, plan.budget_s)
             row.update(
                 roofline(weight_bytes, row["kv_cache_bytes"], hw, row["median_ms"], row["flops_per_step"])
             )
@@ -711,7 +754,7 @@ def _run_peer(label, model, plan: Plan, weight_bytes, hw, prefill, decode, log) 
     impl = f"hf:{peer.name.split()[-1]}"
     for b in plan.batch:
         for p in plan.prompt:
-            row = bench_peer_prefill(peer, b, p, model.cfg.vocab_size, device, 1, plan.repeats)
+            row = bench_peer_prefill(peer, b, p, model.cfg.vocab_size, device, 1, plan.repeats, plan.budget_s)
             prefill.append(
                 {
                     "impl": impl,
@@ -726,7 +769,9 @@ def _run_peer(label, model, plan: Plan, weight_bytes, hw, prefill, decode, log) 
             )
             log(f"  prefill {'peer':12s} B={b:<3d} T={p:<6d} {row['median_ms']:9.2f} ms")
         for c in plan.context:
-            row = bench_peer_decode(peer, b, c, model.cfg.vocab_size, device, plan.warmup, plan.steps)
+            row = bench_peer_decode(
+                peer, b, c, model.cfg.vocab_size, device, plan.warmup, plan.steps, plan.budget_s
+            )
             row.update(
                 roofline(weight_bytes, row["kv_cache_bytes"], hw, row["median_ms"], row["flops_per_step"])
             )
@@ -847,14 +892,57 @@ def _mib(x: float) -> str:
     return f"{x / 2**20:.1f}"
 
 
-def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
-    numeric = [isinstance(v, (int, float)) and not isinstance(v, bool) for v in rows[0]] if rows else []
-    align = (
-        ["---:" if i and numeric[i] else "---" for i in range(len(header))] if rows else ["---"] * len(header)
-    )
-    out = ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|"]
-    for row in rows:
-        out.append("| " + " | ".join(_cell(v) for v in row) + " |")
+MIB = 2**20
+
+# table columns: (header, key in the row, or a function of the row)
+MODEL_COLUMNS = [
+    ("variant", "label"),
+    ("params M", lambda m: m["parameters"]["total"] / 1e6),
+    ("streamed weights MiB", lambda m: m["streamed_weight_bytes"] / MIB),
+    ("KV bytes/token", "kv_bytes_per_token"),
+    ("naive KV bytes/token", "naive_kv_bytes_per_token"),
+]
+DECODE_COLUMNS = [
+    ("variant", "variant"), ("impl", "impl"), ("route", "route"), ("batch", "batch"), ("context", "context"),
+    ("ms/step", "median_ms"), ("IQR ms", "iqr_ms"), ("n", "n"), ("tokens/s", "tokens_per_s"),
+    ("KV MiB", lambda r: r["kv_cache_bytes"] / MIB), ("+state MiB", lambda r: r["extra_state_bytes"] / MIB),
+    ("peak +MiB", lambda r: r["peak_extra_bytes"] / MIB), ("bandwidth floor ms", "floor_ms"),
+    ("x bw floor", "roofline_ratio"), ("GFLOP/step", lambda r: r["flops_per_step"] / 1e9),
+    ("compute floor ms", "compute_floor_ms"), ("x roofline", "x_roofline"),
+]  # fmt: skip
+PREFILL_COLUMNS = [
+    ("variant", "variant"), ("impl", "impl"), ("route", "route"), ("batch", "batch"), ("prompt", "prompt"),
+    ("ms", "median_ms"), ("IQR ms", "iqr_ms"), ("n", "n"), ("tokens/s", "tokens_per_s"),
+    ("peak +MiB", lambda r: r["peak_extra_bytes"] / MIB),
+]  # fmt: skip
+PEER_COLUMNS = [
+    ("variant", "variant"), ("peer", "peer"), ("attention kernel", "attn_implementation"),
+    ("max abs logit diff", "max_logit_diff"), ("max abs logit", "logit_scale"), ("agree", "agree"),
+    ("note", lambda p: p.get("skipped", "")),
+]  # fmt: skip
+RATIO_COLUMNS = [
+    ("kind", "kind"), ("variant", "variant"), ("kvlm route", "route"), ("batch", "batch"),
+    ("length", lambda r: r.get("context", r.get("prompt"))), ("kvlm ms", "kvlm_ms"), ("peer ms", "peer_ms"),
+    ("speed-up", lambda r: f"{r['speedup']:.2f}x"),
+]  # fmt: skip
+EG_COLUMNS = [
+    ("batch", "batch"), ("context", "context"), ("MLA ms", "mla_ms"), ("EG-MLA route", "route"),
+    ("EG-MLA ms", "ms"), ("x MLA", "x_mla"), ("KV MiB", "kv_mib"), ("+state MiB", "state_mib"),
+    ("peak +MiB", "peak_mib"),
+]  # fmt: skip
+TARGET_COLUMNS = [
+    ("claim", "claim"), ("variant", "variant"), ("route", "route"), ("batch", "batch"), ("context", "context"),
+    ("value", "value"), ("met", "met"),
+]  # fmt: skip
+
+
+def _table(columns: list[tuple[str, Any]], rows: list[dict]) -> list[str]:
+    """A GitHub markdown table; numbers right-aligned, booleans as yes / **NO**."""
+    cells = [[col(r) if callable(col) else r.get(col) for _, col in columns] for r in rows]
+    numeric = [isinstance(v, (int, float)) and not isinstance(v, bool) for v in cells[0]] if cells else []
+    align = ["---:" if i and numeric and numeric[i] else "---" for i in range(len(columns))]
+    out = ["| " + " | ".join(h for h, _ in columns) + " |", "|" + "|".join(align) + "|"]
+    out += ["| " + " | ".join(_cell(v) for v in row) + " |" for row in cells]
     return out
 
 
@@ -869,7 +957,6 @@ def _cell(v: Any) -> str:
 def markdown(result: dict) -> str:
     """Result tables (GitHub markdown): what benchmarks/README.md shows."""
     hw, mc, st = result["hardware"], result["machine"], result["settings"]
-    mib = 2**20
     lines = [
         f"{result['date']}; {mc['cpu']}, {mc['cores']} cores ({mc['threads']} torch threads), torch {mc['torch']}, "
         f"transformers {mc['transformers']}; {st['device']}, {st['dtype']}; load average at start "
@@ -878,158 +965,21 @@ def markdown(result: dict) -> str:
         f"{hw['bandwidth_gbs']:.1f}); fp32 matmul {hw['matmul_fp32_gflops']:.0f} GFLOP/s.",
         "",
     ]
-    lines += _table(
-        ["variant", "params M", "streamed weights MiB", "KV bytes/token", "naive KV bytes/token"],
-        [
-            [
-                label,
-                m["parameters"]["total"] / 1e6,
-                m["streamed_weight_bytes"] / mib,
-                m["kv_bytes_per_token"],
-                m["naive_kv_bytes_per_token"],
-            ]
-            for label, m in result["models"].items()
-        ],
-    )
-    lines += [
-        "",
-        "Decode, per step (median of the timed steps, IQR = spread); floors: bytes / bandwidth and "
-        "counted FLOPs / matmul throughput:",
-        "",
+    lines += _table(MODEL_COLUMNS, [{"label": k, **m} for k, m in result["models"].items()])
+    lines += ["", "Decode, per step (median of the n timed steps, IQR = spread); floors: bytes that must be read "
+              "/ bandwidth, and counted FLOPs / matmul throughput:", ""]  # fmt: skip
+    lines += _table(DECODE_COLUMNS, sorted(result["decode"], key=lambda r: (r["batch"], r["context"])))
+    lines += ["", "Prefill (median of n repeats):", ""]
+    lines += _table(PREFILL_COLUMNS, sorted(result["prefill"], key=lambda r: (r["batch"], r["prompt"])))
+    sections = [
+        ("Peers (logits checked against kvlm before timing):", PEER_COLUMNS, result["peers"]),
+        ("kvlm speed-up over transformers (peer time / kvlm time):", RATIO_COLUMNS, result["ratios"]),
+        ("EG-MLA decode routes next to MLA (absorbed) at the same shape:", EG_COLUMNS, eg_mla_vs_mla(result)),
+        ("The issue's targets on this run:", TARGET_COLUMNS, result["targets"]),
     ]
-    rows = sorted(result["decode"], key=lambda r: (r["batch"], r["context"]))
-    lines += _table(
-        [
-            "variant",
-            "impl",
-            "route",
-            "batch",
-            "context",
-            "ms/step",
-            "IQR ms",
-            "tokens/s",
-            "KV MiB",
-            "+state MiB",
-            "peak +MiB",
-            "bandwidth floor ms",
-            "x bw floor",
-            "GFLOP/step",
-            "compute floor ms",
-        ],
-        [
-            [
-                r["variant"],
-                r["impl"],
-                r["route"],
-                r["batch"],
-                r["context"],
-                r["median_ms"],
-                r["iqr_ms"],
-                r["tokens_per_s"],
-                r["kv_cache_bytes"] / mib,
-                r["extra_state_bytes"] / mib,
-                r["peak_extra_bytes"] / mib,
-                r["floor_ms"],
-                r["roofline_ratio"],
-                r["flops_per_step"] / 1e9,
-                r["compute_floor_ms"],
-            ]
-            for r in rows
-        ],
-    )
-    lines += ["", "Prefill (median of repeats):", ""]
-    rows = sorted(result["prefill"], key=lambda r: (r["batch"], r["prompt"]))
-    lines += _table(
-        ["variant", "impl", "route", "batch", "prompt", "ms", "IQR ms", "tokens/s", "peak +MiB"],
-        [
-            [
-                r["variant"],
-                r["impl"],
-                r["route"],
-                r["batch"],
-                r["prompt"],
-                r["median_ms"],
-                r["iqr_ms"],
-                r["tokens_per_s"],
-                r["peak_extra_bytes"] / mib,
-            ]
-            for r in rows
-        ],
-    )
-    if result["peers"]:
-        lines += ["", "Peers (logits checked against kvlm before timing):", ""]
-        lines += _table(
-            ["variant", "peer", "attention kernel", "max abs logit diff", "max abs logit", "agree", "note"],
-            [
-                [
-                    p["variant"],
-                    p.get("peer"),
-                    p.get("attn_implementation"),
-                    p.get("max_logit_diff"),
-                    p.get("logit_scale"),
-                    p.get("agree"),
-                    p.get("skipped", ""),
-                ]
-                for p in result["peers"]
-            ],
-        )
-    if result["ratios"]:
-        lines += ["", "kvlm speed-up over transformers (peer time / kvlm time):", ""]
-        lines += _table(
-            ["kind", "variant", "kvlm route", "batch", "length", "kvlm ms", "peer ms", "speed-up"],
-            [
-                [
-                    r["kind"],
-                    r["variant"],
-                    r["route"],
-                    r["batch"],
-                    r.get("context", r.get("prompt")),
-                    r["kvlm_ms"],
-                    r["peer_ms"],
-                    f"{r['speedup']:.2f}x",
-                ]
-                for r in result["ratios"]
-            ],
-        )
-    eg = eg_mla_vs_mla(result)
-    if eg:
-        lines += ["", "EG-MLA decode routes next to MLA (absorbed) at the same shape:", ""]
-        lines += _table(
-            [
-                "batch",
-                "context",
-                "MLA ms",
-                "EG-MLA route",
-                "EG-MLA ms",
-                "x MLA",
-                "KV MiB",
-                "+state MiB",
-                "peak +MiB",
-            ],
-            [
-                [
-                    r["batch"],
-                    r["context"],
-                    r["mla_ms"],
-                    r["route"],
-                    r["ms"],
-                    r["x_mla"],
-                    r["kv_mib"],
-                    r["state_mib"],
-                    r["peak_mib"],
-                ]
-                for r in eg
-            ],
-        )
-    if result["targets"]:
-        lines += ["", "The issue's targets on this run:", ""]
-        lines += _table(
-            ["claim", "variant", "route", "batch", "context", "value", "met"],
-            [
-                [t["claim"], t["variant"], t["route"], t["batch"], t["context"], t["value"], t["met"]]
-                for t in result["targets"]
-            ],
-        )
+    for title, columns, rows in sections:
+        if rows:
+            lines += ["", title, ""] + _table(columns, rows)
     return "\n".join(lines)
 
 
@@ -1129,6 +1079,12 @@ def add_arguments(p) -> None:
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-peers", action="store_true", help="skip the transformers peers")
     p.add_argument("--bandwidth-mib", type=int, help="buffer size of the bandwidth measurement (default 512)")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=30.0,
+        help="seconds per measurement: slower ones time fewer steps (at least 3) or prefills (at least 2); 0 = off",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the result JSON here (and the plot next to it unless --plot)")
     p.add_argument("--plot", help="write the decode plot (PNG) here")
@@ -1186,6 +1142,7 @@ def plan_from_args(args) -> Plan:
         bandwidth_mib=get("bandwidth_mib"),
         seed=args.seed,
         suite=args.suite,
+        budget_s=args.budget_s or None,
     )
 
 

@@ -255,9 +255,11 @@ def gqa_to_mla(
     rope_head_dim: int | None = None,
     calib_tokens: torch.Tensor | None = None,
     balance_kv: bool = True,
+    moments: list[torch.Tensor] | None = None,
 ) -> KVLM:
     """Convert a kvlm mha/gqa/mqa model into an MLA model (see the module docstring). ``calib_tokens``
-    (B, T) token ids for the activation statistics; None: weight SVD. Returns a new float32 model."""
+    (B, T) token ids for the activation statistics (or ``moments``, ``attention_input_moments``'s result,
+    to reuse them across ranks); neither: weight SVD. Returns a new float32 model."""
     src = model.cfg
     cfg = mla_config_for(src, kv_lora_rank, rope_head_dim)
     h, g, dh, dr, dc = src.n_head, src.n_kv_head, src.head_dim, cfg.rope_head_dim, cfg.kv_lora_rank
@@ -266,7 +268,8 @@ def gqa_to_mla(
     nope = [i for i in range(dh) if i not in kept]
     order = torch.tensor(nope + kept)  # a head's NoPE key: its non-kept dims, then the kept dims' residual
     q_scale = math.sqrt((dh + dr) / dh)  # undo MLA's 1/sqrt(d_h + d_h^R) (Eq. 46)
-    moments = attention_input_moments(model, calib_tokens)
+    if moments is None:
+        moments = attention_input_moments(model, calib_tokens)
     out = build_model(cfg)
     sd = {k: v for k, v in model.state_dict().items() if ".attn." not in k}
     out.load_state_dict(sd, strict=False)

@@ -6,13 +6,20 @@ attention layer by the part one rank computes and every FFN by its Megatron slic
 - attention: each rank holds a shard of the heads / latent blocks (a module of the mechanism's own class
   built from a per-rank config, its weights sliced out of the full layer) and the matching column slice
   of W_O; the per-rank partial outputs of W_O are summed with one all-reduce (row-parallel W_O). Each rank
-  caches only what its shard reads, so ``model.new_cache`` on a sharded model allocates only that part.
+  caches only what its shard reads, so ``model.new_cache`` on a sharded model allocates only that part,
+  and every attention mode (auto / naive / absorbed / expand) runs unchanged on the shard.
 - FFN: column-parallel W1 (and W2 of SwiGLU), row-parallel W_O, one all-reduce (Megatron style).
-- token embedding, final norm and LM head: replicated (every rank gets the same logits).
+- token embedding, final norm and LM head: replicated (every rank computes the same logits, bit for bit,
+  so ``kvlm.generate`` runs unchanged on every rank and samples the same tokens from the same seed).
 
-How each mechanism splits (the paper's deployment of it; ``tp_plan`` says it per layer):
-MHA/GQA/MQA by KV head (a KV head is replicated once the degree exceeds g); MLA by query head with the
-latent cache c_kv, k_rope replicated on every rank, as FlashMLA deploys it (the redundancy MLRA criticises).
+How each mechanism splits (as its paper deploys it; ``tp_plan`` says what a rank holds):
+MHA/MQA/GQA by KV head, GTA by group (beyond g ranks a KV head / group is replicated and its query heads
+split); MLA and EG-MLA by query head with the latent cache (c_kv, k_rope) replicated on every rank, as
+FlashMLA deploys it (the redundancy MLRA criticises); MFA by query head, its one K/V head replicated; TPA by
+coefficient (A^K, A^V columns of the rank's heads), the shared factors replicated; GLA-2/4 by latent head;
+MLRA-2/4 by latent block, the branches of a head summed by the all-reduce (Eqs. 5-6). k_rope is replicated
+wherever it exists. ``attention="dp"`` instead keeps whole attention layers and gives each rank its own
+requests (data-parallel attention, how the MLRA paper serves MLA), the FFN still sharded.
 
 EG-MLA embedding parallelism (eg-mla.md "Embedding Parallelism", Eqs. 9-11, Table 6).
 ``shard_gate_embeddings(model, rank, world)`` keeps on each data-parallel rank only a column slice
@@ -20,9 +27,12 @@ EG-MLA embedding parallelism (eg-mla.md "Embedding Parallelism", Eqs. 9-11, Tabl
 a rank needs every rank's slice of its own tokens: the token ids are all-gathered, each rank looks up its
 slice for all of them (Eq. 10) and one exchange gives every rank the concatenated embedding of its own
 tokens (an all-to-all: the part of the paper's all-gather that each rank actually needs). W^UE (Eq. 11)
-and the rest of the model stay replicated under DDP; ``wrap_ddp`` keeps DDP off the sharded tables.
+and the rest of the model stay replicated under DDP; ``wrap_ddp`` keeps DDP off the sharded tables,
+``clip_grad_norm`` clips by the whole gradient's norm, ``gather_gate_embeddings`` rebuilds full tables
+for a checkpoint.
 
-Run ``python -m kvlm.distributed --help`` for the runnable entries (under torchrun).
+Commands: ``kvlm generate --tp N`` and ``kvlm bench --tp N`` under ``torchrun --nproc-per-node N -m kvlm.cli``;
+``python -m kvlm.distributed tp-bench | embedding-parallel-bench | embedding-parallel-table`` (see --help).
 """
 
 from __future__ import annotations

@@ -180,7 +180,8 @@ def export_hf(checkpoint, out: str | Path, *, remote_code: bool = True, dtype=No
     if dtype is not None:
         model = model.to(dtype)
     hf = to_hf(model)
-    hf.config.auto_map = dict(AUTO_MAP) if remote_code else None
+    if remote_code:
+        hf.config.auto_map = dict(AUTO_MAP)
     if tokenizer is not None:
         eos = getattr(tokenizer, "eos_id", None) or getattr(tokenizer, "backend", tokenizer).token_to_id("<|endoftext|>")
         for name in ("eos_token_id", "pad_token_id", "bos_token_id"):

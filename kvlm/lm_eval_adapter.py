@@ -53,6 +53,8 @@ class KVLMEvalLM(HFLM):
     ):
         if (checkpoint is None) == (model is None):
             raise ValueError("kvlm lm-eval model: give checkpoint=PATH or model=KVLM (one of them)")
+        if device and device.startswith("cuda") and not torch.cuda.is_available():
+            device = "cpu"  # lm_eval's CLI passes its default device, cuda, on machines without one
         if isinstance(dtype, str):
             dtype = None if dtype == "auto" else getattr(torch, dtype)
         if checkpoint is not None:

@@ -120,6 +120,14 @@ def test_streamed_weight_bytes_counts_every_matrix_once():
     assert streamed_weight_bytes(build_model(untied)) == 4 * (count_parameters(untied)["total"] - 97 * 64)
 
 
+def test_fit_to_budget_times_fewer_steps_only_when_slow():
+    assert bench.fit_to_budget(0.01, 2, 6, 30.0) == (2, 6)  # fast: as asked
+    assert bench.fit_to_budget(4.0, 2, 6, 30.0) == (0, 6)  # 32 s > 30 s: the counted step was the warm-up
+    assert bench.fit_to_budget(10.0, 2, 6, 30.0) == (0, 3)
+    assert bench.fit_to_budget(60.0, 2, 6, 30.0) == (0, 3)  # never fewer than 3
+    assert bench.fit_to_budget(60.0, 2, 6, None) == (2, 6)
+
+
 def test_summarize_and_peak_memory():
     s = summarize([0.003, 0.001, 0.002, 0.010])
     assert (

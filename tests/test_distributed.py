@@ -11,6 +11,7 @@ from conftest import tiny_config
 from dist_scripts import workers
 
 from kvlm import ModelConfig, build_model
+from kvlm.accounting import per_device_elements
 from kvlm.attention import get_attention_class
 from kvlm.config import ConfigError, _numel
 from kvlm.distributed import (
@@ -43,8 +44,6 @@ def test_per_rank_cache_is_mlra_table1(row):
     cfg = ModelConfig.from_preset(f"mlra-table1/{row}")
     with torch.device("meta"):
         attn = get_attention_class(cfg.attention)(cfg, 0)
-    from kvlm.accounting import per_device_elements
-
     for world, paper in zip((1, 2, 4, 8), TABLE1[row]):
         per_rank = [_numel(shard_attention(attn, rank, world)[0].cache_spec()) for rank in range(world)]
         assert {n / D_H for n in per_rank} == {paper}, (row, world, per_rank)
@@ -255,7 +254,7 @@ def test_shards_hold_a_fraction_of_the_weights():
             whole = sum(p.numel() for p in getattr(full, part).parameters())
             held = [sum(p.numel() for p in getattr(s, part).parameters()) for s in shards]
             assert all(h < whole for h in held), (part, world, held, whole)
-        # the FFN is split exactly (no replicated parts besides nothing)
+        # the FFN (no biases here) is split exactly: its slices add up to the whole
         assert sum(sum(p.numel() for p in s.mlp.parameters()) for s in shards) == sum(
             p.numel() for p in full.mlp.parameters()
         )

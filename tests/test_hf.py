@@ -59,6 +59,7 @@ def test_export_round_trip_keeps_logits(tmp_path, tokenizer, name):
     tok = AutoTokenizer.from_pretrained(out)
     ids = tok(TEXTS[0]).input_ids
     assert ids == tokenizer.encode(TEXTS[0]) and tok.padding_side == "left"
+    ids = tokenizer.encode(" ".join(TEXTS[:6]))
     x = torch.tensor([ids[:20], ids[5:25]])
     with torch.no_grad():
         ref = model(x)

@@ -249,3 +249,10 @@ def test_mode_and_cache_mismatch_is_a_clear_error():
         model(tokens, cache=model.new_cache(1, 8), mode="naive")
     with pytest.raises(CacheError, match="compact cache"):
         model(tokens, cache=model.new_cache(1, 8, naive=True), mode="absorbed")
+    attn, x = model.layers[0].attn, torch.randn(1, 4, model.cfg.d_model, dtype=torch.float64)
+    naive = {
+        n: torch.zeros(1, *s[:-1], 8, s[-1], dtype=torch.float64)
+        for n, s in attn.cache_spec(naive=True).items()
+    }
+    out = attn(x, Step.build(tokens), naive)  # "auto" on a naive cache takes the naive route
+    assert (out - attn(x, Step.build(tokens))).abs().max() < 1e-12

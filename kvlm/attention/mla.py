@@ -33,19 +33,24 @@ Cache (``cache_spec``): compact {"c_kv": (d_c,), "k_rope": (d_h^R,)} (k_rope omi
 Routes (``step.mode``):
 - no cache (training): up-project to per-head K/V, one SDPA call with is_causal.
 - "naive": write materialised K/V to the naive cache, attend over them (the MHA-sized baseline).
-- "expand": write the latent, up-project the whole cached latent to K/V, attend. Cost O(S d_c h d_h) per call
-  regardless of the number of new tokens: the prefill route.
+- "expand": write the latent, up-project the whole cached latent to K/V, attend (``attend_split``: the shared
+  RoPE key is never copied per head for decode-sized calls). Cost O(S d_c h d_h) per call regardless of the
+  number of new tokens: the prefill route.
 - "absorbed" (mlra.md Sec. 2.1 Steps 1-3): fold W^UK into the query (q~ = q^C W~^UK, h x d_c), attend in the
-  latent space as MQA with one shared key [c^KV; k^R] and value c^KV (scores = q~ c^T + q^R k_rope^T, then
-  z = softmax(scores) c, read as strided bmm over (B, h T, .) straight from the cache buffers, no copy), then
-  o_i = z_i W~^UV_i. Cost O(T h S (2 d_c + d_h^R)): the decode route.
+  latent space as MQA with one shared key [c^KV; k^R] and value c^KV (``latent_attention``: heads folded into
+  the query axis, SDPA's fused kernel reading the strided cache views once, the d_h^R-wide RoPE scores
+  q^R k_rope^T as its additive mask, no copy of the cache), then o_i = z_i W~^UV_i.
+  Cost O(T h S (2 d_c + d_h^R)): the decode route.
 - "auto": absorbed when few tokens are new relative to what is cached (``prefers_absorbed``), expand otherwise.
 The absorbed weights (W~^UK (h, d_h, d_c), W~^UV (h, d_c, d_h), and, where fewer weights are read that way,
-W^UQ W~^UK and W~^UV W^O folded together) are built once and cached on the module, rebuilt when any source
-weight changes (version counter / storage / dtype / device), never per step.
+W^UQ W~^UK and W~^UV W^O folded together, ``fold_choice``) are built once and cached on the module, rebuilt
+when any source weight changes (version counter / storage / dtype / device), never per step.
 
-Reusable pieces (for GLA / MLRA): ``query``, ``latents``, ``up_project``, ``expanded_kv``, ``absorb_query``,
-``absorbed_output``, ``absorbed_weights`` and the module function ``latent_attention``.
+Reusable pieces (for GLA / MLRA and subclasses such as EG-MLA): construction hooks ``build_latent`` and
+``build_up``; ``query`` / ``query_input`` / ``query_from`` (query path), ``cos_sin`` (RoPE angles shared by all
+layers of a call), ``latents`` / ``latent_kv`` (latent path, cache layout), ``up_project`` / ``expanded_kv``,
+``absorbed_weights`` / ``absorb_query`` / ``absorbed_output`` (absorption), and the module functions
+``latent_attention`` (MQA over latents), ``attend_split`` (keys with a shared RoPE part), ``attend_padded``.
 """
 
 from __future__ import annotations
@@ -80,6 +85,8 @@ class AbsorbedWeights:
     b_q: torch.Tensor | None = None
     w_ov: torch.Tensor | None = None
     b_ov: torch.Tensor | None = None
+    w_qr: torch.Tensor | None = None  # with w_q and q_lora_rank = 0: W^Q's RoPE rows (h d_h^R, d)
+    b_qr: torch.Tensor | None = None
 
 
 def latent_attention(
@@ -354,6 +361,11 @@ class MLA(Attention):
             w, b = self._query_nope_weight()
             aw.w_q = torch.einsum("hpn,hpc->nhc", w, w_uk).reshape(w.shape[-1], h * dc)
             aw.b_q = torch.einsum("hp,hpc->hc", b, w_uk).reshape(h * dc) if b is not None else None
+            if not self.q_lora_rank and self.rope_head_dim:  # W^Q's RoPE rows, still needed apart
+                dr = self.rope_head_dim
+                aw.w_qr = self.wq.weight.view(h, dh + dr, -1)[:, dh:].reshape(h * dr, -1)
+                if self.wq.bias is not None:
+                    aw.b_qr = self.wq.bias.view(h, dh + dr)[:, dh:].reshape(-1)
         if fold_o:  # u = sum_i W^O_i (z_i W~^UV_i + b_uv_i) + b_o
             wo = self.wo.weight.view(-1, h, dh)  # (d, h, d_h)
             aw.w_ov = torch.einsum("hcp,dhp->hcd", w_uv, wo).reshape(h * dc, -1)
@@ -379,13 +391,11 @@ class MLA(Attention):
         q_lat = q_lat.view(B, T, self.n_head, -1).transpose(1, 2)
         q_rope = None
         if self.rope_head_dim:
-            h, dh, dr = self.n_head, self.head_dim, self.rope_head_dim
+            h, dr = self.n_head, self.rope_head_dim
             if self.q_lora_rank:
                 q_rope = self.w_qr(c_q).view(B, T, h, dr)
-            else:  # only the rope rows of W^Q
-                w = self.wq.weight.view(h, dh + dr, -1)[:, dh:].reshape(h * dr, -1)
-                b = self.wq.bias.view(h, -1)[:, dh:].reshape(-1) if self.wq.bias is not None else None
-                q_rope = F.linear(c_q, w, b).view(B, T, h, dr)
+            else:  # only the RoPE rows of W^Q
+                q_rope = F.linear(c_q, aw.w_qr, aw.b_qr).view(B, T, h, dr)
             q_rope = apply_rope(q_rope.transpose(1, 2), *self.cos_sin(step, x.dtype))
         return q_lat, q_rope
 
@@ -403,8 +413,8 @@ class MLA(Attention):
     # --- routes ----------------------------------------------------------------------------------
     def prefers_absorbed(self, n_new: int, end: int) -> bool:
         """Absorbed costs ~T h S (2 d_c + d_R) multiply-adds, expand ~S d_c 2 h d_h + T h S (2 d_h + d_R):
-        absorption wins while T (d_c - d_h) < d_c d_h. Also require a long cached context relative to T, since
-        expand runs as large GEMMs plus a fused SDPA kernel while absorbed materialises (h T, S) scores."""
+        absorption wins while T (d_c - d_h) < d_c d_h. Also require a long cached context relative to T: a first
+        prefill (T = S) expands, as large GEMMs plus SDPA's causal kernel, without (h T, S) RoPE scores."""
         dc, dh = self.kv_lora_rank, self.head_dim
         cheaper = dc <= dh or n_new * (dc - dh) < dc * dh
         return cheaper and n_new * self.absorb_ratio <= end
@@ -415,6 +425,8 @@ class MLA(Attention):
         mode = step.mode
         if cache is not None:
             naive_cache = "k" in cache
+            if naive_cache and mode == "auto":
+                mode = "naive"  # a materialised K/V cache has one route
             if naive_cache != (mode == "naive"):
                 raise CacheError(
                     f"mode={mode!r} needs "
@@ -428,7 +440,7 @@ class MLA(Attention):
                 return self.forward_absorbed(x, step, cache)
         q_nope, q_rope = self.query(x, step)
         lat = self.latents(x, step)
-        if cache is not None and mode == "naive":
+        if mode == "naive" and cache is not None:
             k, v = self.expanded_kv(lat)
             k, v = self.write(cache, "k", k, step), self.write(cache, "v", v, step)
             q = torch.cat([q_nope, q_rope], dim=-1) if q_rope is not None else q_nope
