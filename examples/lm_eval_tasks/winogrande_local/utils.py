@@ -20,7 +20,9 @@ def load_local(data_path: str | None = None, **_):
     rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     for i, row in enumerate(rows):
         if "_" not in row.get("sentence", "") or str(row.get("answer")) not in ("1", "2"):
-            raise ValueError(f"{path}:{i + 1}: expected sentence with a '_' blank, option1, option2, answer 1/2")
+            raise ValueError(
+                f"{path}:{i + 1}: expected sentence with a '_' blank, option1, option2, answer 1/2"
+            )
         row["answer"] = str(row["answer"])
     return datasets.DatasetDict({"test": datasets.Dataset.from_list(rows)})
 
