@@ -81,14 +81,14 @@ SUITES: dict[str, dict[str, Any]] = {
         modes="naive,absorbed,table",
         batch="1",
         context="512,1024,2048,4096,8192",
-        prompt="128,512,2048",
+        prompt="128,1024",
         steps=5,
         warmup=1,
         repeats=3,
     ),
-    "sweep-b8": dict(
+    "sweep-b8": dict(  # eg-mla's batch-8 routes are in "reference": rebuilding 8 x 8192 keys takes ~10 s a step
         shape=REFERENCE_SHAPE,
-        variants="mha,gqa,mla,eg-mla",
+        variants="mha,gqa,mla",
         modes="naive,absorbed,table",
         batch="8",
         context="512,1024,2048,4096,8192",
@@ -485,8 +485,9 @@ def time_prefill(new_cache, forward, cache_bytes, device, warmup: int, repeats: 
 
 @torch.inference_mode()
 def time_decode(new_cache, step, device, warmup: int, steps: int, budget_s=None) -> dict:
-    """Per-step latency of ``tok = step(tok, cache)`` on the cache ``new_cache()`` returns (with its KV bytes);
-    the first step is untimed and its FLOPs counted."""
+    """Per-step latency of ``tok = step(tok, cache)`` on the cache ``new_cache()`` returns (with its KV bytes).
+    The first step is untimed (the first warm-up step; an extra one when ``warmup`` is 0) and its FLOPs are
+    counted: the cache needs room for ``max(warmup, 1) + steps`` new tokens."""
     with PeakMemory(device) as mem:
         cache, kv_bytes, tok = new_cache()
         _sync(device)
@@ -494,7 +495,7 @@ def time_decode(new_cache, step, device, warmup: int, steps: int, budget_s=None)
         with CountFlops() as flops:
             tok = step(tok, cache)
         _sync(device)
-        warmup, steps = fit_to_budget(time.perf_counter() - t0, warmup, steps, budget_s)
+        warmup, steps = fit_to_budget(time.perf_counter() - t0, max(warmup - 1, 0), steps, budget_s)
         times = []
         for i in range(warmup + steps):
             _sync(device)
@@ -540,7 +541,7 @@ def bench_decode(
     device = model.embed.weight.device
 
     def new_cache():
-        cache = model.new_cache(batch, context + 1 + warmup + steps, naive=(mode == "naive"))
+        cache = model.new_cache(batch, context + max(warmup, 1) + steps, naive=(mode == "naive"))
         fill_cache(cache, context, model.cfg.vocab_size)
         return cache, cache.nbytes_used, torch.randint(0, model.cfg.vocab_size, (batch, 1), device=device)
 
@@ -651,7 +652,7 @@ def run(plan: Plan, log=print) -> dict[str, Any]:
     models, prefill, decode, peers = {}, [], [], []
     for variant in plan.variants:
         cfg = variant.cfg
-        need = max(max(plan.context) + 1 + plan.warmup + plan.steps, max(plan.prompt))
+        need = max(max(plan.context) + max(plan.warmup, 1) + plan.steps, max(plan.prompt))
         if cfg.max_seq_len < need:
             cfg = cfg.replace(max_seq_len=need)
         model = build_model(cfg, device=device, dtype=dtype).eval()
@@ -966,6 +967,13 @@ def markdown(result: dict) -> str:
         "",
     ]
     lines += _table(MODEL_COLUMNS, [{"label": k, **m} for k, m in result["models"].items()])
+    if len(result["settings"]["context"]) > 1:
+        for title, key in (
+            ("ms per decode step", "median_ms"),
+            ("measured / bandwidth floor", "roofline_ratio"),
+        ):
+            columns, rows = pivot(result["decode"], key)
+            lines += ["", f"Decode against context length, {title}:", ""] + _table(columns, rows)
     lines += ["", "Decode, per step (median of the n timed steps, IQR = spread); floors: bytes that must be read "
               "/ bandwidth, and counted FLOPs / matmul throughput:", ""]  # fmt: skip
     lines += _table(DECODE_COLUMNS, sorted(result["decode"], key=lambda r: (r["batch"], r["context"])))
@@ -981,6 +989,17 @@ def markdown(result: dict) -> str:
         if rows:
             lines += ["", title, ""] + _table(columns, rows)
     return "\n".join(lines)
+
+
+def pivot(decode: list[dict], key: str) -> tuple[list, list[dict]]:
+    """One row per (variant, impl, route, batch), one column per context: the value ``key``."""
+    contexts = sorted({r["context"] for r in decode})
+    rows: dict[tuple, dict] = {}
+    for r in decode:
+        ident = (r["batch"], r["variant"], r["impl"], r["route"])
+        rows.setdefault(ident, dict(zip(("batch", "variant", "impl", "route"), ident)))[r["context"]] = r[key]
+    columns = [("variant", "variant"), ("impl", "impl"), ("route", "route"), ("batch", "batch")]
+    return columns + [(f"L={c}", c) for c in contexts], [rows[k] for k in sorted(rows, key=lambda k: k[0])]
 
 
 def _load(avg) -> str:
@@ -1016,36 +1035,54 @@ def eg_mla_vs_mla(result: dict) -> list[dict]:
 
 
 def plot(result: dict, path: str | Path) -> None:
-    """Decode latency and tokens/s against context length, one line per (variant, impl, mode, batch)."""
+    """Decode latency (top) and tokens/s (bottom) against context length, one column per batch size, one
+    line per (variant, route); transformers peers dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
-    groups: dict[tuple, list[dict]] = {}
-    for r in result["decode"]:
-        groups.setdefault((r["variant"], r["impl"], r["mode"], r["batch"]), []).append(r)
-    for (variant, impl, mode, batch), rows in sorted(groups.items()):
-        rows.sort(key=lambda r: r["context"])
-        xs = [r["context"] for r in rows]
-        name = f"{variant} {mode} B={batch}" if impl == "kvlm" else f"{variant} {impl} B={batch}"
-        style = "o-" if impl == "kvlm" else "s--"
-        ax1.plot(xs, [r["median_ms"] for r in rows], style, label=name)
-        ax2.plot(xs, [r["tokens_per_s"] for r in rows], style, label=name)
-    for ax, ylabel in ((ax1, "decode latency (ms / step)"), (ax2, "decode tokens/s")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("cached tokens (context)")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, which="both", alpha=0.3)
-    ax1.legend(fontsize=7)
-    s = result["settings"]
+    decode = result["decode"]
+    batches = sorted({r["batch"] for r in decode})
+    contexts = sorted({r["context"] for r in decode})
+    fig, axes = plt.subplots(2, len(batches), figsize=(6.5 * len(batches), 8), squeeze=False)
+    groups: dict[str, dict[int, list[dict]]] = {}
+    for r in decode:
+        name = f"{r['variant']} {r['route']}" if r["impl"] == "kvlm" else f"{r['variant']} {r['impl']}"
+        groups.setdefault(name, {}).setdefault(r["batch"], []).append(r)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, (name, by_batch) in enumerate(sorted(groups.items())):
+        peer = " hf:" in name
+        style = dict(
+            color=colors[i % len(colors)], marker="s" if peer else "o", linestyle="--" if peer else "-"
+        )
+        for j, b in enumerate(batches):
+            rows = sorted(by_batch.get(b, []), key=lambda r: r["context"])
+            xs = [r["context"] for r in rows]
+            axes[0][j].plot(xs, [r["median_ms"] for r in rows], label=name, **style)
+            axes[1][j].plot(xs, [r["tokens_per_s"] for r in rows], label=name, **style)
+    for j, b in enumerate(batches):
+        for ax, ylabel in ((axes[0][j], "decode latency (ms / step)"), (axes[1][j], "decode tokens/s")):
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xticks(contexts, [str(c) for c in contexts])
+            ax.set_xlabel("cached tokens (context)")
+            ax.set_ylabel(ylabel)
+            ax.set_title(f"batch {b}")
+            ax.grid(True, which="both", alpha=0.3)
+            plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
+            ax.yaxis.set_major_formatter(plain)
+            ax.yaxis.set_minor_formatter(plain)
+            ax.tick_params(axis="y", which="minor", labelsize=7)
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    s, mc = result["settings"], result["machine"]
     fig.suptitle(
-        f"kvlm bench ({result.get('suite') or 'custom'}): {s['dtype']} on {result['machine']['cpu']}"
+        f"kvlm bench {result.get('suite') or ''}: {s['dtype']}, {mc['cpu']} ({mc['threads']} threads), "
+        f"{result['date'][:10]}"
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 

@@ -274,10 +274,15 @@ def gqa_to_mla(
     calib_tokens: torch.Tensor | None = None,
     balance_kv: bool = True,
     moments: list[torch.Tensor] | None = None,
+    rope_residual: str = "nope",
 ) -> KVLM:
     """Convert a kvlm mha/gqa/mqa model into an MLA model (see the module docstring). ``calib_tokens``
     (B, T) token ids for the activation statistics (or ``moments``, ``attention_input_moments``'s result,
-    to reuse them across ranks); neither: weight SVD. Returns a new float32 model."""
+    to reuse them across ranks); neither: weight SVD. rope_residual: what becomes of the kept frequencies'
+    key components that the shared k_rope does not carry (g > 1): "nope" (TransMLA: into the NoPE part, no
+    rotation) or "drop". Returns a new float32 model."""
+    if rope_residual not in ("nope", "drop"):
+        raise ConvertError(f"rope_residual must be 'nope' or 'drop', got {rope_residual!r}")
     src = model.cfg
     cfg = mla_config_for(src, kv_lora_rank, rope_head_dim)
     h, g, dh, dr, dc = src.n_head, src.n_kv_head, src.head_dim, cfg.rope_head_dim, cfg.kv_lora_rank
@@ -306,6 +311,8 @@ def gqa_to_mla(
         u_t = torch.cat([u, u], dim=1)  # (g, dr): weight of rope index t is u[:, t mod r]
         w_kr = torch.einsum("jt,jtd->td", u_t, wk_kept)  # shared k_rope rows (dr, d)
         resid = wk_kept - u_t[:, :, None] * w_kr[None]  # (g, dr, d) left to the NoPE part
+        if rope_residual == "drop":
+            resid = torch.zeros_like(resid)
         wk_nope = torch.cat([wk[:, nope], resid], dim=1)  # (g, dh, d), rows in `order`
         # step 3: joint PCA of NoPE keys and values
         k_rows, v_rows = wk_nope.reshape(g * dh, -1), wv.reshape(g * dh, -1)

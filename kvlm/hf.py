@@ -105,13 +105,14 @@ class _AfterImport(importlib.abc.MetaPathFinder):
             return None
         if spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        spec.loader = _HookedLoader(spec.loader, self.hooks.pop(name))
+        # the hook stays pending until the module really runs (find_spec alone imports nothing)
+        spec.loader = _HookedLoader(spec.loader, self.hooks, name)
         return spec
 
 
 class _HookedLoader(importlib.abc.Loader):
-    def __init__(self, loader, hook):
-        self.loader, self.hook = loader, hook
+    def __init__(self, loader, hooks: dict, name: str):
+        self.loader, self.hooks, self.name = loader, hooks, name
 
     def create_module(self, spec):
         return self.loader.create_module(spec)
@@ -119,8 +120,11 @@ class _HookedLoader(importlib.abc.Loader):
     def exec_module(self, module):
         module.__loader__ = self.loader
         self.loader.exec_module(module)
+        hook = self.hooks.pop(self.name, None)
+        if hook is None:
+            return
         try:
-            self.hook()
+            hook()
         except Exception as e:  # registration must never break the user's import of transformers
             warnings.warn(f"kvlm: could not register with transformers' Auto classes: {e}", stacklevel=2)
 

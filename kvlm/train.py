@@ -11,9 +11,21 @@
   checkpoint) reproduces the uninterrupted run's losses exactly on CPU.
 - Data parallel under torchrun (kvlm.distributed_train): rank r takes a disjoint slice of every global
   batch; rank 0 writes metrics.jsonl, config.yaml and checkpoints.
+- embedding_parallel (EG-MLA only, eg-mla.md "Embedding Parallelism", Eqs. 9-11, Table 6): under DDP each
+  rank keeps a 1/W column slice of every gating embedding table (kvlm.distributed.shard_gate_embeddings),
+  DDP covers the replicated parameters only, gradients are clipped by the whole model's norm. The
+  training is the same computation as plain DDP (same losses up to float rounding). Checkpoints hold whole
+  tables and whole AdamW moments (gathered to rank 0), so they load unsharded and resume with or without
+  embedding parallelism, at any number of ranks. With one process it is a no-op (logged); a model without
+  gate tables is a ConfigError; torch.compile is not supported with it (ConfigError).
+- Every logged record carries per-rank memory and time (gathered once per log interval): peak memory
+  (process peak RSS on CPU, torch.cuda.max_memory_allocated on CUDA), parameter / gradient / optimizer
+  state bytes, and the mean step time of the interval (evaluation and checkpoint time left out).
 
 Run folder: config.yaml (model + train + data), metrics.jsonl (one JSON record per logged step:
-step, tokens, loss, val_loss, lr, tokens_per_s, elapsed), checkpoint/ (the latest, kvlm.checkpoint format
+step, tokens, loss, val_loss, lr, tokens_per_s, elapsed, step_time_ms, peak_memory_bytes (max over ranks),
+peak_memory_kind and per rank: peak_memory_bytes_per_rank, parameter_bytes_per_rank, gradient_bytes_per_rank,
+optimizer_bytes_per_rank), checkpoint/ (the latest, kvlm.checkpoint format
 with trainer_state.pt), result.json, tensorboard/ (optional).
 """
 
@@ -40,6 +52,7 @@ from kvlm import distributed_train as dt
 from kvlm.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from kvlm.config import ConfigError, ModelConfig, load_yaml_or_json
 from kvlm.data import DataError, PreparedData, TokenStream, load_prepared
+from kvlm.distributed import clip_grad_norm, shard_gate_embeddings
 from kvlm.model import build_model
 
 CHECKPOINT_DIR = "checkpoint"
@@ -72,6 +85,7 @@ class TrainConfig:
     device: str = "auto"  # "auto" = cuda if available, else cpu
     dtype: str = "auto"  # "auto" = bfloat16 autocast on CUDA, float32 on CPU; or "float32" / "bfloat16"
     compile: bool = False  # torch.compile the model
+    embedding_parallel: bool = False  # EG-MLA: shard the gate tables by columns over the DDP ranks (Eq. 9)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -96,6 +110,8 @@ class TrainConfig:
             raise ConfigError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ConfigError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+        if self.embedding_parallel and self.compile:
+            raise ConfigError("embedding_parallel does not support compile (the gate exchange's collectives)")
 
     def replace(self, **changes: Any) -> TrainConfig:
         unknown = set(changes) - {f.name for f in fields(self)}
@@ -151,6 +167,8 @@ class TrainResult:
     train_config: dict[str, Any]
     data_source: str
     history: list[dict[str, Any]] = field(default_factory=list)  # the metrics.jsonl records
+    step_time_ms: float | None = None  # mean optimizer-step time of this run (slowest rank; no eval / saves)
+    memory: dict[str, Any] = field(default_factory=dict)  # the last record's per-rank memory figures
     model: Any = field(default=None, repr=False)  # the trained model (unwrapped, on its device)
 
     def to_dict(self) -> dict[str, Any]:
@@ -307,14 +325,23 @@ def validation_loss(
     device: torch.device,
     autocast=contextlib.nullcontext,
     info: dt.DistInfo | None = None,
+    lockstep: bool = False,
 ) -> float | None:
-    """Mean next-token loss over the windows at `starts` (split over ranks, summed across them)."""
+    """Mean next-token loss over the windows at `starts` (split over ranks, summed across them).
+    lockstep: every rank makes the same number of model calls (sharded gate tables exchange in each call);
+    a rank out of windows runs a throw-away call."""
     info = info or dt.DistInfo()
     mine = starts[info.rank :: info.world_size]
+    calls = math.ceil(len(starts[:: info.world_size] if lockstep else mine) / batch_size)
     was_training = model.training
     model.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of losses, tokens)
-    for i in range(0, len(mine), batch_size):
+    for i in range(0, calls * batch_size, batch_size):
+        if not mine[i : i + batch_size]:
+            xy = torch.from_numpy(stream.windows(starts[:1], seq_len + 1)).to(device)
+            with autocast():
+                model(xy[:, :-1])
+            continue
         xy = torch.from_numpy(stream.windows(mine[i : i + batch_size], seq_len + 1)).to(device)
         with autocast():
             logits = model(xy[:, :-1])
@@ -406,6 +433,8 @@ def _train(model_cfg, tcfg, data, out_dir, resume, progress, log, callback, adap
         model = build_model(model_cfg)
     _check_fit(model_cfg, tcfg, data)
     model.to(device).train()
+    n_params = model.parameter_counts()  # the whole model's, before any sharding
+    sharded = _shard_for_embedding_parallel(model, tcfg, info, say)
     optimizer = make_optimizer(model, tcfg, device)
     order = BatchOrder(data.train, tcfg.seq_len, tcfg.seed)
     # eval_iters global batches of validation windows: the same windows whatever the ranks / accumulation
@@ -417,7 +446,11 @@ def _train(model_cfg, tcfg, data, out_dir, resume, progress, log, callback, adap
     losses: list[float] = []
     val_losses: list[tuple[int, float]] = []
     if state is not None:
-        optimizer.load_state_dict(state["optimizer"])
+        # checkpoints hold whole-table moments: re-slice them to this rank's columns
+        opt_state = (
+            dt.shard_optimizer_state(state["optimizer"], optimizer, model) if sharded else state["optimizer"]
+        )
+        optimizer.load_state_dict(opt_state)
         step, tokens, elapsed_before = state["step"], state["tokens"], state["elapsed"]
         losses, val_losses = list(state["losses"]), [tuple(v) for v in state["val_losses"]]
         rngs = state["rng"]
@@ -430,9 +463,8 @@ def _train(model_cfg, tcfg, data, out_dir, resume, progress, log, callback, adap
         np.random.seed(tcfg.seed + info.rank)
         random.seed(tcfg.seed + info.rank)
 
-    n_params = model.parameter_counts()
     core = torch.compile(model) if tcfg.compile else model
-    net = dt.wrap(core, info, device)
+    net = dt.wrap_for(core, info, device, sharded)
     total = tcfg.total_steps()
     budget_s = tcfg.max_minutes * 60.0 if tcfg.max_minutes is not None else 0.0
     ckpt_every = tcfg.checkpoint_interval or tcfg.eval_interval
@@ -451,6 +483,7 @@ def _train(model_cfg, tcfg, data, out_dir, resume, progress, log, callback, adap
         f"training {model_cfg.attention} ({n_params['total'] / 1e6:.2f} M parameters) on {data.source}: "
         f"{_budget_text(tcfg)}, batch {tcfg.batch_size} x {tcfg.seq_len} tokens, {device}, {precision}"
         + (f", {info.world_size} ranks" if info.enabled else "")
+        + (", embedding-parallel gate tables" if sharded else "")
     )
 
     bar = tqdm(
@@ -467,6 +500,15 @@ def _train(model_cfg, tcfg, data, out_dir, resume, progress, log, callback, adap
     t_mark, tokens_mark = t_start, tokens
     run_tokens = 0
     last_ckpt = None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)  # this run's peak
+    # step timing: laps from the end of the last log / checkpoint bookkeeping (evaluation, saving) to the
+    # next one's loss flush (which waits for the device), so only optimizer steps are timed
+    t_steps, steps_mark = time.perf_counter(), step
+    lap_s, lap_steps = 0.0, 0  # since the last log record
+    train_s, train_steps = 0.0, 0  # the whole run
+    grad_bytes = 0
+    memory: dict[str, Any] = {}
 
     def elapsed() -> float:
         return elapsed_before + time.perf_counter() - t_start
@@ -491,7 +533,9 @@ def _train(model_cfg, tcfg, data, out_dir, resume, progress, log, callback, adap
     def evaluate_now() -> float | None:
         if not val_starts:
             return None
-        return validation_loss(core, data.val, val_starts, tcfg.seq_len, micro, device, autocast, info)
+        return validation_loss(
+            core, data.val, val_starts, tcfg.seq_len, micro, device, autocast, info, lockstep=sharded
+        )
 
     try:
         if tcfg.eval_at_start and step == 0 and not val_losses:
@@ -521,7 +565,12 @@ def _train(model_cfg, tcfg, data, out_dir, resume, progress, log, callback, adap
                     (loss / tcfg.grad_accum).backward()
                 step_loss += loss.detach() / tcfg.grad_accum
             if tcfg.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
+                if sharded:  # the norm of the whole gradient: the ranks' table slices summed
+                    clip_grad_norm(model, tcfg.grad_clip)
+                else:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), tcfg.grad_clip)
+            if grad_bytes == 0 or (step + 1) % tcfg.log_interval == 0:
+                grad_bytes = dt.gradient_bytes(model)  # the .grad tensors exist until zero_grad
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             pending.append(step_loss)
@@ -540,7 +589,12 @@ def _train(model_cfg, tcfg, data, out_dir, resume, progress, log, callback, adap
                     is_eval, is_log, is_ckpt = True, True, out_dir is not None
             if is_log or is_ckpt:
                 flush_losses()
+                lap_s += time.perf_counter() - t_steps
+                lap_steps += step - steps_mark
             if is_log:
+                train_s, train_steps = train_s + lap_s, train_steps + lap_steps
+                memory = _rank_memory(model, optimizer, grad_bytes, lap_s / lap_steps, device, info)
+                lap_s, lap_steps = 0.0, 0
                 v = evaluate_now() if is_eval else None
                 if v is not None:
                     val_losses.append((step, v))
@@ -548,6 +602,7 @@ def _train(model_cfg, tcfg, data, out_dir, resume, progress, log, callback, adap
                 tps = (tokens - tokens_mark) / max(now - t_mark, 1e-9)
                 t_mark, tokens_mark = now, tokens
                 record = _record(step, tokens, losses[-1], v, lr, tps, elapsed())
+                record.update(memory)
                 emit(record)
                 postfix = {"loss": f"{losses[-1]:.3f}", "tok/s": f"{tps:,.0f}"}
                 if budget_s:
@@ -560,8 +615,11 @@ def _train(model_cfg, tcfg, data, out_dir, resume, progress, log, callback, adap
                     bar.write(line, file=sys.stderr)
             if is_ckpt:
                 last_ckpt = _save(
-                    out_dir, model, data, tcfg, optimizer, step, tokens, elapsed(), losses, val_losses, info
-                )
+                    out_dir, model, data, tcfg, optimizer, step, tokens, elapsed(), losses, val_losses, info,
+                    sharded,
+                )  # fmt: skip
+            if is_log or is_ckpt:
+                t_steps, steps_mark = time.perf_counter(), step
     finally:
         bar.close()
         if metrics_f is not None:
@@ -570,6 +628,8 @@ def _train(model_cfg, tcfg, data, out_dir, resume, progress, log, callback, adap
             tb.close()
 
     flush_losses()
+    if sharded:  # hand back the whole model (every rank), as a plain DDP run does
+        dt.unshard_gate_tables(model)
     wall = time.perf_counter() - t_start
     best = min((v for _, v in val_losses), default=None)
     result = TrainResult(
@@ -589,12 +649,14 @@ def _train(model_cfg, tcfg, data, out_dir, resume, progress, log, callback, adap
         train_config=tcfg.to_dict(),
         data_source=data.source,
         history=history,
+        step_time_ms=1e3 * train_s / train_steps if train_steps else None,
+        memory=memory,
         model=model,
     )
     if main and out_dir is not None:
         (out_dir / "result.json").write_text(json.dumps(result.to_dict(), indent=2))
     fv = f"{result.final_val_loss:.4f}" if result.final_val_loss is not None else "n/a"
-    say(f"done: {step} steps, {tokens:,} tokens, {wall:.1f} s, final val loss {fv}")
+    say(f"done: {step} steps, {tokens:,} tokens, {wall:.1f} s, final val loss {fv}" + _memory_text(result))
     return result
 
 
@@ -654,33 +716,90 @@ def _load_for_resume(path: Path, model_cfg: ModelConfig | None, tcfg: TrainConfi
     return model, state
 
 
-def _save(out_dir, model, data, tcfg, optimizer, step, tokens, elapsed, losses, val_losses, info) -> Path:
+def _save(
+    out_dir, model, data, tcfg, optimizer, step, tokens, elapsed, losses, val_losses, info, sharded=False
+) -> Path:
     rngs = dt.gather_objects(rng_state(), info)  # every rank's generators, for an exact resume
     path = out_dir / CHECKPOINT_DIR
-    if info.is_main:
-        state = {
-            "step": step,
-            "tokens": tokens,
-            "elapsed": elapsed,
-            "optimizer": optimizer.state_dict(),
-            "schedule": {"total_steps": tcfg.total_steps(), "warmup_steps": tcfg.warmup()},
-            "data": {"samples_seen": step * tcfg.batch_size, "content_hash": data.content_hash},
-            "rng": rngs,
-            "losses": list(losses),
-            "val_losses": [list(v) for v in val_losses],
-            "world_size": info.world_size,
-            "train_config": tcfg.to_dict(),
-        }
-        meta = {
-            "step": step,
-            "tokens": tokens,
-            "val_loss": val_losses[-1][1] if val_losses else None,
-            "train_config": tcfg.to_dict(),
-            "data": data.summary(),
-        }
-        save_checkpoint(path, model, tokenizer=data.tokenizer, meta=meta, trainer_state=state)
+    # sharded gate tables: whole tables and AdamW moments on rank 0 (collectives: every rank takes part),
+    # so the checkpoint is the one an unsharded run writes
+    opt_state = dt.full_optimizer_state(optimizer, model) if sharded else optimizer.state_dict()
+    with dt.full_gate_tables(model) if sharded else contextlib.nullcontext():
+        if info.is_main:
+            state = {
+                "step": step,
+                "tokens": tokens,
+                "elapsed": elapsed,
+                "optimizer": opt_state,
+                "schedule": {"total_steps": tcfg.total_steps(), "warmup_steps": tcfg.warmup()},
+                "data": {"samples_seen": step * tcfg.batch_size, "content_hash": data.content_hash},
+                "rng": rngs,
+                "losses": list(losses),
+                "val_losses": [list(v) for v in val_losses],
+                "world_size": info.world_size,
+                "train_config": tcfg.to_dict(),
+            }
+            meta = {
+                "step": step,
+                "tokens": tokens,
+                "val_loss": val_losses[-1][1] if val_losses else None,
+                "train_config": tcfg.to_dict(),
+                "data": data.summary(),
+            }
+            save_checkpoint(path, model, tokenizer=data.tokenizer, meta=meta, trainer_state=state)
     dt.barrier(info)
     return path
+
+
+def _shard_for_embedding_parallel(model, tcfg: TrainConfig, info: dt.DistInfo, say) -> bool:
+    """TrainConfig.embedding_parallel: shard the gate tables over the ranks; True when they are sharded."""
+    if not tcfg.embedding_parallel:
+        return False
+    if not any(getattr(p, "is_gate_embedding", False) for p in model.parameters()):
+        raise ConfigError(
+            f"embedding_parallel shards EG-MLA's gating embedding tables; attention {model.cfg.attention!r} "
+            "has none (use attention eg-mla, or drop --embedding-parallel)"
+        )
+    if not info.enabled:
+        say("embedding_parallel: one process, nothing to shard (the gate tables stay whole)")
+        return False
+    shard_gate_embeddings(model, info.rank, info.world_size)
+    return True
+
+
+def _rank_memory(model, optimizer, grad_bytes: int, step_s: float, device, info: dt.DistInfo) -> dict:
+    """Per-rank memory and step time, gathered to every rank with one all-reduce (all ranks call it)."""
+    peak, kind = dt.peak_memory(device)
+    mine = [peak, dt.parameter_bytes(model), grad_bytes, dt.optimizer_bytes(optimizer), step_s]
+    rows = dt.gather_rows(mine, info, device)
+    col = [[int(r[i]) for r in rows] for i in range(4)]
+    return {
+        "step_time_ms": round(1e3 * max(r[4] for r in rows), 3),  # the slowest rank's mean
+        "peak_memory_bytes": max(col[0]),
+        "peak_memory_kind": kind,
+        "peak_memory_bytes_per_rank": col[0],
+        "parameter_bytes_per_rank": col[1],
+        "gradient_bytes_per_rank": col[2],
+        "optimizer_bytes_per_rank": col[3],
+    }
+
+
+def _memory_text(result: TrainResult) -> str:
+    m = result.memory
+    if not m:
+        return ""
+    mib = 2**20
+    per_rank = "/".join(f"{b / mib:.0f}" for b in m["peak_memory_bytes_per_rank"])
+    state = max(
+        p + g + o
+        for p, g, o in zip(
+            m["parameter_bytes_per_rank"], m["gradient_bytes_per_rank"], m["optimizer_bytes_per_rank"]
+        )
+    )
+    return (
+        f", {result.step_time_ms:.1f} ms/step, peak memory {m['peak_memory_bytes'] / mib:.0f} MiB "
+        f"({m['peak_memory_kind']}; per rank {per_rank}), params+grads+optimizer {state / mib:.1f} MiB per rank"
+    )
 
 
 def _write_config(out_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, data: PreparedData, world: int) -> None:
@@ -735,6 +854,9 @@ def _log_line(rec: dict[str, Any], total: int | None) -> str:
     if rec["val_loss"] is not None:
         parts.append(f"val {rec['val_loss']:.4f}")
     parts += [f"lr {rec['lr']:.2e}", f"{rec['tokens_per_s']:,.0f} tok/s", f"{rec['elapsed']:.0f} s"]
+    if rec.get("step_time_ms") is not None:
+        parts.append(f"{rec['step_time_ms']:.1f} ms/step")
+        parts.append(f"peak {rec['peak_memory_bytes'] / 2**20:.0f} MiB")
     return " | ".join(parts)
 
 
@@ -807,6 +929,9 @@ def add_arguments(p) -> None:
     for flag, name, typ in TRAIN_FLAGS:
         g.add_argument(flag, dest=f"t_{name}", type=typ, metavar=name.upper(), help=f"TrainConfig.{name}")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
+    g.add_argument("--embedding-parallel", action="store_true",
+                   help="EG-MLA under torchrun: shard each gating embedding table by columns over the ranks "
+                   "(eg-mla.md Eqs. 9-11); a no-op with one process")  # fmt: skip
     g.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="any ModelConfig or TrainConfig field (repeatable)")  # fmt: skip
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
@@ -867,6 +992,8 @@ def configs_from_args(args) -> tuple[ModelConfig, TrainConfig, bool]:
             raise ConfigError(f"--set {key}: not a ModelConfig or TrainConfig field")
     if args.compile:
         trn["compile"] = True
+    if getattr(args, "embedding_parallel", False):
+        trn["embedding_parallel"] = True
     if args.steps is not None or args.tokens is not None or args.minutes is not None:
         trn["max_steps"], trn["max_tokens"], trn["max_minutes"] = args.steps, args.tokens, args.minutes
     if model and explicit.keys() & {"d_model", "n_head"} and "head_dim" not in explicit:

@@ -128,8 +128,16 @@ def test_forward_rejects_foreign_caches_and_bad_padding(tmp_path, tokenizer):
     assert torch.allclose(out.loss, ref)
 
 
-def test_import_kvlm_does_not_import_transformers():
-    code = "import sys, kvlm; assert 'transformers' not in sys.modules, 'transformers imported'"
+def test_import_kvlm_does_not_import_transformers_yet_registers_with_it():
+    code = """
+import importlib.util, sys, kvlm
+assert "transformers" not in sys.modules, "import kvlm imported transformers"
+importlib.util.find_spec("transformers.models.auto.modeling_auto")  # a look-up alone must not lose the hook
+from transformers import AutoConfig, AutoModelForCausalLM
+from kvlm.hf_modeling import KVLMConfig, KVLMForCausalLM
+assert AutoModelForCausalLM._model_mapping[KVLMConfig] is KVLMForCausalLM
+assert type(AutoConfig.for_model("kvlm")) is KVLMConfig
+"""
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 

@@ -216,7 +216,9 @@ def test_cli_prepare_and_train(tmp_path, capsys):
     assert out["train_config"]["warmup_steps"] == 1 and math.isfinite(out["final_val_loss"])
     records = [json.loads(line) for line in open(f"{run}/metrics.jsonl")]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
-    assert set(records[0]) == {"step", "tokens", "loss", "val_loss", "lr", "tokens_per_s", "elapsed"}
+    assert set(records[0]) == {"step", "tokens", "loss", "val_loss", "lr", "tokens_per_s", "elapsed",
+                               "step_time_ms", "peak_memory_bytes", "peak_memory_kind", "peak_memory_bytes_per_rank",
+                               "parameter_bytes_per_rank", "gradient_bytes_per_rank", "optimizer_bytes_per_rank"}  # fmt: skip
     assert [r["val_loss"] is not None for r in records] == [False, True, False, True]
     # continue the same run to 6 steps
     steps_at = args.index("--steps") + 1
