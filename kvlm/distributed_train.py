@@ -182,8 +182,7 @@ def _gather_columns(mod, t: torch.Tensor, dst: int | None) -> torch.Tensor | Non
 
 
 def _full_embedding(table: torch.Tensor) -> torch.nn.Embedding:
-    emb = torch.nn.Embedding(*table.shape, device=table.device, dtype=table.dtype)
-    emb.weight.data.copy_(table)
+    emb = torch.nn.Embedding(*table.shape, _weight=table)  # wraps the gathered tensor: no second copy
     emb.weight.is_gate_embedding = True
     return emb
 
