@@ -184,6 +184,17 @@ def summarize(seconds: list[float]) -> dict[str, float]:
     }
 
 
+def _malloc_trim() -> None:
+    """Hand freed heap memory back to the OS (glibc), so that RSS growth shows new allocations instead of
+    being absorbed by memory an earlier measurement freed."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 class PeakMemory:
     """Peak memory while the block runs: max allocated on CUDA; on CPU the process RSS, sampled from
     /proc/self/statm by a thread every ``interval`` s (torch kernels release the GIL, so it keeps sampling
@@ -218,6 +229,7 @@ class PeakMemory:
             self.start = torch.cuda.memory_allocated(self.device)
         else:
             gc.collect()
+            _malloc_trim()
             self.start = self.peak = self.rss()
             self._thread = threading.Thread(target=self._sample, daemon=True)
             self._thread.start()
@@ -642,13 +654,7 @@ def run(plan: Plan, log=print) -> dict[str, Any]:
             "budget_s": plan.budget_s,
         },
     }
-    log(f"measuring memory bandwidth ({plan.bandwidth_mib} MiB buffers) and matmul throughput ...")
-    hw = measure_hardware(device, plan.bandwidth_mib)
-    result["hardware"] = hw
-    log(
-        f"  copy {hw['copy_gbs']:.1f} GB/s, read {hw['read_gbs']:.1f} GB/s, fp32 matmul "
-        f"{hw['matmul_fp32_gflops']:.0f} GFLOP/s"
-    )
+    hw = _hardware(plan, log)  # again at the end: a busy machine at either end does not lower the floors
     models, prefill, decode, peers = {}, [], [], []
     for variant in plan.variants:
         cfg = variant.cfg
@@ -679,9 +685,27 @@ def run(plan: Plan, log=print) -> dict[str, Any]:
         gc.collect()
     result.update(models=models, prefill=prefill, decode=decode, peers=peers)
     result["load_average_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    end = _hardware(plan, log)
+    best = {k: max(hw[k], end[k]) for k in ("copy_gbs", "read_gbs", "bandwidth_gbs", "matmul_fp32_gflops")}
+    result["hardware"] = {**hw, **best, "start": hw, "end": end}
+    for r in decode:  # the floors from the best measurements of the run
+        weights = models[r["variant"]]["streamed_weight_bytes"]
+        r.update(
+            roofline(weights, r["kv_cache_bytes"], result["hardware"], r["median_ms"], r["flops_per_step"])
+        )
     result["ratios"] = peer_ratios(decode, prefill)
     result["targets"] = targets(result)
     return result
+
+
+def _hardware(plan: Plan, log) -> dict[str, float]:
+    log(f"measuring memory bandwidth ({plan.bandwidth_mib} MiB buffers) and matmul throughput ...")
+    hw = measure_hardware(plan.device, plan.bandwidth_mib)
+    log(
+        f"  copy {hw['copy_gbs']:.1f} GB/s, read {hw['read_gbs']:.1f} GB/s, fp32 matmul "
+        f"{hw['matmul_fp32_gflops']:.0f} GFLOP/s"
+    )
+    return hw
 
 
 def _run_mode(model, label, mode, plan: Plan, hw, weight_bytes, prefill, decode, log) -> None:
@@ -963,7 +987,8 @@ def markdown(result: dict) -> str:
         f"transformers {mc['transformers']}; {st['device']}, {st['dtype']}; load average at start "
         f"{_load(mc.get('load_average'))}, at end {_load(result.get('load_average_end'))}.",
         f"Bandwidth: copy {hw['copy_gbs']:.1f} GB/s, read {hw['read_gbs']:.1f} GB/s (floors use "
-        f"{hw['bandwidth_gbs']:.1f}); fp32 matmul {hw['matmul_fp32_gflops']:.0f} GFLOP/s.",
+        f"{hw['bandwidth_gbs']:.1f}); fp32 matmul {hw['matmul_fp32_gflops']:.0f} GFLOP/s (best of the "
+        f"measurements at start: {_hw(hw.get('start'))} and end: {_hw(hw.get('end'))}).",
         "",
     ]
     lines += _table(MODEL_COLUMNS, [{"label": k, **m} for k, m in result["models"].items()])
@@ -1000,6 +1025,10 @@ def pivot(decode: list[dict], key: str) -> tuple[list, list[dict]]:
         rows.setdefault(ident, dict(zip(("batch", "variant", "impl", "route"), ident)))[r["context"]] = r[key]
     columns = [("variant", "variant"), ("impl", "impl"), ("route", "route"), ("batch", "batch")]
     return columns + [(f"L={c}", c) for c in contexts], [rows[k] for k in sorted(rows, key=lambda k: k[0])]
+
+
+def _hw(h: dict | None) -> str:
+    return f"{h['bandwidth_gbs']:.1f} GB/s, {h['matmul_fp32_gflops']:.0f} GFLOP/s" if h else "?"
 
 
 def _load(avg) -> str:
