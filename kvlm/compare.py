@@ -16,7 +16,6 @@ import hashlib
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -299,45 +298,21 @@ def _samples(model, tokenizer, generate, seed: int) -> list[dict]:
     return out
 
 
-@torch.no_grad()
-def measure_speed(
-    model, contexts: list[int], batch_size: int = 1, decode_steps: int = 16, repeats: int = 3
-) -> dict:
-    """Prefill latency of a 128-token prompt and decode tokens/s after `context` cached tokens (batch 1),
-    medians over repeats. Random tokens: speed does not depend on what is decoded."""
+def measure_speed(model, contexts: list[int], decode_steps: int = 16, repeats: int = 3) -> dict:
+    """Prefill latency of a 128-token prompt and decode tokens/s after `context` cached tokens (batch 1,
+    the model's own "auto" routes), medians over repeats, measured with kvlm.bench's timers."""
+    from kvlm.bench import bench_decode, bench_prefill
+
     cfg = model.cfg
-    g = torch.Generator().manual_seed(0)
-    dev = model.embed.weight.device
-    prompt = torch.randint(0, cfg.vocab_size, (batch_size, min(128, cfg.max_seq_len)), generator=g).to(dev)
-    times = []
-    for _ in range(repeats):
-        cache = model.new_cache(batch_size, prompt.shape[1])
-        t0 = time.perf_counter()
-        model(prompt, cache=cache, last_only=True)
-        times.append(time.perf_counter() - t0)
+    prompt = min(128, cfg.max_seq_len)
+    prefill = bench_prefill(model, 1, prompt, "auto", warmup=1, repeats=repeats)
     decode = {}
     for ctx in contexts:
-        if ctx + decode_steps > cfg.max_seq_len:
-            continue
-        runs = []
-        for _ in range(repeats):
-            cache = model.new_cache(batch_size, ctx + decode_steps)
-            model(
-                torch.randint(0, cfg.vocab_size, (batch_size, ctx), generator=g).to(dev),
-                cache=cache,
-                last_only=True,
-            )
-            tok = torch.zeros(batch_size, 1, dtype=torch.long, device=dev)
-            t0 = time.perf_counter()
-            for _ in range(decode_steps):
-                tok = model(tok, cache=cache).argmax(-1)
-            runs.append(batch_size * decode_steps / (time.perf_counter() - t0))
-        decode[str(ctx)] = statistics.median(runs)
-    return {
-        "prefill_ms": 1e3 * statistics.median(times),
-        "prefill_tokens": int(prompt.shape[1]),
-        "decode_tokens_per_s": decode,
-    }
+        if ctx + decode_steps + 2 <= cfg.max_seq_len:
+            decode[str(ctx)] = bench_decode(model, 1, ctx, "auto", warmup=2, steps=decode_steps)[
+                "tokens_per_s"
+            ]
+    return {"prefill_ms": prefill["median_ms"], "prefill_tokens": prompt, "decode_tokens_per_s": decode}
 
 
 # --- aggregation and report ------------------------------------------------------------------------------
@@ -558,7 +533,8 @@ def render_report(rows: list[dict], results: list[dict], meta: dict, ctxs: list[
         f"- data: {meta['data']}",
         f"- budget per run: {meta['budget']}; seeds: {meta['seeds']}",
         f"- models: {meta['models_note']}",
-        f"- machine: {meta['machine']['cpu']} ({meta['machine']['threads']} threads), torch {meta['machine']['torch']}, "
+        f"- machine: {meta['machine']['gpu'] or meta['machine']['cpu']} ({meta['machine']['threads']} threads), "
+        f"torch {meta['machine']['torch']}, "
         f"kvlm {meta['kvlm']}, {meta['date']}",
         "",
         "Best values in **bold**. KV bytes count every layer at "
@@ -663,24 +639,6 @@ def render_report(rows: list[dict], results: list[dict], meta: dict, ctxs: list[
 # --- the command ------------------------------------------------------------------------------------------
 
 
-def machine_info() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-    }
-
-
 def compare(
     preset: str = "tiny",
     out: str | Path = "runs/compare",
@@ -694,6 +652,7 @@ def compare(
     log=print,
 ) -> dict:
     from kvlm import __version__
+    from kvlm.bench import machine_info
     from kvlm.data import load_or_prepare
 
     budget = budget or Budget(steps=300)
@@ -731,7 +690,7 @@ def compare(
         "data": data.describe(),
         "budget": budget.describe(),
         "seeds": seeds,
-        "machine": machine_info(),
+        "machine": machine_info(torch.device("cuda" if torch.cuda.is_available() else "cpu")),
         "kvlm": __version__,
         "date": time.strftime("%Y-%m-%d %H:%M %Z"),
         "command": command,
