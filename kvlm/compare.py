@@ -251,7 +251,7 @@ def run_variant(
     train_s = time.perf_counter() - t0
     model = trained.model.eval()
     val = perplexity(model, data.val_tokens()[: budget.eval_tokens], seq_len=tcfg.seq_len, batch_size=8)
-    speed = measure_speed(model, contexts)
+    speed = measure_speed(model, contexts or default_contexts(cfg.max_seq_len))
     samples = _samples(model, data.tokenizer, generate, seed)
     rep = repetition_metrics([s["ids"] for s in samples])
     counts = count_parameters(cfg)
@@ -296,6 +296,11 @@ def _samples(model, tokenizer, generate, seed: int) -> list[dict]:
         new = gen[0] if gen and isinstance(gen[0], list) else gen
         out.append({"prompt": prompt, "ids": list(new), "text": tokenizer.decode(list(new))})
     return out
+
+
+def default_contexts(max_seq_len: int) -> list[int]:
+    """Short, half and nearly full context of the model: where decode cost is set by weights, then by the cache."""
+    return sorted({max(1, max_seq_len // 8), max_seq_len // 2, max(1, max_seq_len - 32)})
 
 
 def measure_speed(model, contexts: list[int], decode_steps: int = 16, repeats: int = 3) -> dict:
@@ -657,7 +662,6 @@ def compare(
 
     budget = budget or Budget(steps=300)
     seeds = seeds or [0]
-    contexts = contexts or [64, 256, 448]
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     variants, models_note = load_variants(preset, variants_file, paper_sizes)
@@ -744,7 +748,8 @@ def add_arguments(p) -> None:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seeds", default="0", help="comma-separated seeds; several give mean and std")
     p.add_argument(
-        "--contexts", default="64,256,448", help="context lengths for the decode-speed measurement"
+        "--contexts",
+        help="context lengths for the decode-speed measurement (default: 1/8, 1/2 and nearly all of max_seq_len)",
     )
     p.add_argument(
         "--paper-sizes", action="store_true", help="use the papers' model sizes instead of scaled ones"
@@ -768,7 +773,7 @@ def main(args) -> int:
         if v is not None and v <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {v}")
     seeds = [int(s) for s in str(args.seeds).split(",") if s.strip()]
-    contexts = [int(c) for c in str(args.contexts).split(",") if c.strip()]
+    contexts = [int(c) for c in str(args.contexts).split(",") if c.strip()] if args.contexts else None
     summary = compare(
         preset=args.preset,
         out=args.out,
