@@ -41,7 +41,7 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--ranks", default="384:64,256:32,192:32,128:32,64:16", help="d_c:d_h^R pairs")
     p.add_argument("--finetune", default="128:32", help="d_c:d_h^R to fine-tune ('' for none)")
-    p.add_argument("--finetune-steps", type=int, default=30)
+    p.add_argument("--finetune-steps", type=int, default=20)
     p.add_argument("--finetune-lr", type=float, default=1e-4)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default=None, help="write the results as JSON here")
@@ -79,7 +79,10 @@ def main() -> None:
         mla = gqa_to_mla(model, dc, dr, moments=moments)
         row = {**convert_report(model.cfg, mla.cfg), "perplexity": window_perplexity(mla, eval_w)}
         if pair == args.finetune and args.finetune_steps:
-            losses = finetune(mla, calib_w, args.finetune_steps, args.finetune_lr, batch=2)
+            # fresh train-split text, each window seen once (a few windows cycled overfit: eval perplexity rises)
+            n_ft = args.finetune_steps * 2
+            ft_w = text_tokens(DATA / "train.jsonl", tok, (len(calib_w) + n_ft) * args.seq_len, args.seq_len)
+            losses = finetune(mla, ft_w[len(calib_w) :], args.finetune_steps, args.finetune_lr, batch=2)
             row["finetune"] = {"steps": args.finetune_steps, "lr": args.finetune_lr, "tokens": args.finetune_steps * 2 * args.seq_len,
                                "loss_first": losses[0], "loss_last": losses[-1],
                                "perplexity": window_perplexity(mla, eval_w)}  # fmt: skip

@@ -82,8 +82,8 @@ SUITES: dict[str, dict[str, Any]] = {
         batch="1",
         context="512,1024,2048,4096,8192",
         prompt="128,1024",
-        steps=5,
-        warmup=1,
+        steps=8,
+        warmup=2,
         repeats=3,
     ),
     "sweep-b8": dict(  # eg-mla's batch-8 routes are in "reference": rebuilding 8 x 8192 keys takes ~10 s a step
