@@ -3,9 +3,10 @@ side by side with the Hugging Face transformers implementation of the same model
 against the machine's memory-bandwidth roofline.
 
 Decoding one token reads every weight once and every cached K/V (or latent) of every layer, so its time
-is bounded below by ``(weight bytes + KV bytes) / memory bandwidth``: the *floor*. Each decode row
-reports that floor and the ratio measured / floor. The bandwidth (a large tensor copy and a large
-reduction, best of a few) and fp32 matmul throughput are measured once per run.
+is bounded below by ``(weight bytes + KV bytes) / memory bandwidth``: the bandwidth *floor*; and by its
+FLOPs (counted on the first step) / matmul throughput: the compute floor. Each decode row reports both and
+the ratios measured / floor. The bandwidth (a large tensor copy and a large reduction, best of a few) and
+fp32 matmul throughput are measured at the start and the end of a run; the floors use the best.
 
 Weights are random: speed does not depend on training. Decode runs start from a cache holding
 ``context`` random cached tokens (exactly what a prefill would leave, minus the long prefill), so long
@@ -1081,6 +1082,26 @@ def plot(result: dict, path: str | Path) -> None:
         name = f"{r['variant']} {r['route']}" if r["impl"] == "kvlm" else f"{r['variant']} {r['impl']}"
         groups.setdefault(name, {}).setdefault(r["batch"], []).append(r)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    if len(contexts) == 1:  # one point per line: bars read better
+        names = sorted(groups)
+        for j, b in enumerate(batches):
+            for ax, key, xlabel in ((axes[0][j], "median_ms", "decode latency (ms / step)"),
+                                    (axes[1][j], "tokens_per_s", "decode tokens/s")):  # fmt: skip
+                values = [groups[n][b][0][key] if b in groups[n] else 0 for n in names]
+                ax.barh(names, values, color=[colors[i % len(colors)] for i in range(len(names))])
+                for y, v in enumerate(values):
+                    ax.text(v, y, f" {v:.0f}" if v >= 100 else f" {v:.3g}", va="center", fontsize=7)
+                ax.set_xscale("log")
+                ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+                ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+                ax.set_xlabel(xlabel)
+                ax.set_title(f"batch {b}, {contexts[0]} cached tokens")
+                ax.invert_yaxis()
+        _title(fig, result)
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        return
     for i, (name, by_batch) in enumerate(sorted(groups.items())):
         peer = " hf:" in name
         style = dict(
@@ -1102,17 +1123,25 @@ def plot(result: dict, path: str | Path) -> None:
             ax.grid(True, which="both", alpha=0.3)
             plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
             ax.yaxis.set_major_formatter(plain)
-            ax.yaxis.set_minor_formatter(plain)
-            ax.tick_params(axis="y", which="minor", labelsize=7)
+            low, high = ax.get_ylim()
+            if high / low < 20:  # within about a decade: label the minor ticks too
+                ax.yaxis.set_minor_formatter(plain)
+                ax.tick_params(axis="y", which="minor", labelsize=7)
+            else:
+                ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
-    s, mc = result["settings"], result["machine"]
-    fig.suptitle(
-        f"kvlm bench {result.get('suite') or ''}: {s['dtype']}, {mc['cpu']} ({mc['threads']} threads), "
-        f"{result['date'][:10]}"
-    )
+    _title(fig, result)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _title(fig, result: dict) -> None:
+    s, mc = result["settings"], result["machine"]
+    threads = f"{mc['threads']} thread{'s' if mc['threads'] != 1 else ''}"
+    fig.suptitle(
+        f"kvlm bench {result.get('suite') or ''}: {s['dtype']}, {mc['cpu']} ({threads}), {result['date'][:10]}"
+    )
 
 
 # --- command line -------------------------------------------------------------------------------------------
@@ -1127,8 +1156,8 @@ def add_arguments(p) -> None:
     )
     p.add_argument(
         "--modes",
-        help="decode modes for latent mechanisms: auto, naive (materialised K/V), absorbed, "
-        "expand; comma-separated (others always use auto)",
+        help="decode routes, comma-separated: auto, naive (materialised K/V), absorbed, expand, table (eg-mla's "
+        "precomputed gate table); each mechanism runs those it has (MHA/GQA: auto only; eg-mla: absorbed = auto)",
     )
     p.add_argument("--batch", help="batch sizes, comma-separated")
     p.add_argument("--context", help="cached tokens before decoding, comma-separated")

@@ -59,6 +59,10 @@ def test_toy_run_emits_complete_json_and_plot(capsys, tmp_path):
     )
     assert json.loads(out.read_text()) == res
     assert (tmp_path / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bench.plot(
+        {**res, "decode": [r for r in res["decode"] if r["context"] == 8]}, tmp_path / "one.png"
+    )  # bars
+    assert (tmp_path / "one.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     hw = res["hardware"]
     assert hw["bandwidth_gbs"] > 0 and hw["matmul_fp32_gflops"] > 0
     assert res["machine"]["torch"] == torch.__version__ and res["machine"]["cores"] >= 1
