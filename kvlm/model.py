@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvlm.attention import Step, get_attention_class
+from kvlm.attention.base import Linear
 from kvlm.cache import CacheError, KVCache
 from kvlm.config import ModelConfig
 
@@ -40,9 +41,9 @@ class SwiGLU(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.w1 = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=cfg.bias)
-        self.w2 = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=cfg.bias)
-        self.wo = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=cfg.bias)
+        self.w1 = Linear(cfg.d_model, cfg.ffn_dim, bias=cfg.bias)
+        self.w2 = Linear(cfg.d_model, cfg.ffn_dim, bias=cfg.bias)
+        self.wo = Linear(cfg.ffn_dim, cfg.d_model, bias=cfg.bias)
         self.wo.is_output_projection = True
         self.dropout = nn.Dropout(cfg.dropout)
 
@@ -53,8 +54,8 @@ class SwiGLU(nn.Module):
 class GeluMLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.w1 = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=cfg.bias)
-        self.wo = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=cfg.bias)
+        self.w1 = Linear(cfg.d_model, cfg.ffn_dim, bias=cfg.bias)
+        self.wo = Linear(cfg.ffn_dim, cfg.d_model, bias=cfg.bias)
         self.wo.is_output_projection = True
         self.dropout = nn.Dropout(cfg.dropout)
 
@@ -89,7 +90,7 @@ class KVLM(nn.Module):
         if tie is not None:  # e.g. eg-mla's layer-group sharing of KV projections
             tie([b.attn for b in self.layers])
         self.norm = make_norm(cfg, cfg.d_model)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.reset_parameters()

@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvlm.attention import register
-from kvlm.attention.base import Step, require
+from kvlm.attention.base import Linear, Step, require
 from kvlm.attention.mla import MLA, attend_padded, attend_split
 from kvlm.cache import CacheError
 from kvlm.config import ModelConfig
@@ -62,7 +62,7 @@ class EmbeddingGate(nn.Module):
         super().__init__()
         self.kv_emb = nn.Embedding(vocab_size, kv_emb_dim)
         self.kv_emb.weight.is_gate_embedding = True  # off the matmul path: counted apart from "activated"
-        self.w_ue = nn.Linear(kv_emb_dim, out_dim, bias=bias)
+        self.w_ue = Linear(kv_emb_dim, out_dim, bias=bias)
         self.use_table = False
         self._table: tuple | None = None  # (key, (vocab, out_dim) tensor)
 
@@ -106,7 +106,7 @@ class EGMLA(MLA):
 
     def build_up(self, cfg: ModelConfig) -> None:
         """W^UKV (Eq. 2), joint: d_c -> h (d_h + d_h), per head [key; value] as Listing 1's wkv_b."""
-        self.w_ukv = nn.Linear(cfg.kv_lora_rank, cfg.n_head * 2 * cfg.head_dim, bias=cfg.bias)
+        self.w_ukv = Linear(cfg.kv_lora_rank, cfg.n_head * 2 * cfg.head_dim, bias=cfg.bias)
 
     # --- configuration ---------------------------------------------------------------------------
     @classmethod

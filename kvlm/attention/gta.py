@@ -14,10 +14,9 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 
 from kvlm.attention import register
-from kvlm.attention.base import Attention, Step, attend, require
+from kvlm.attention.base import Attention, Linear, Step, attend, require
 from kvlm.attention.mlra import ABSORB_MAX_NEW, split_score_attention
 from kvlm.attention.rope import RotaryEmbedding, apply_rope
 from kvlm.config import ModelConfig
@@ -32,9 +31,9 @@ class GroupedTiedAttention(Attention):
         h, g, dh, dr = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.rope_head_dim
         self.n_head, self.n_kv_head, self.head_dim, self.rope_dim = h, g, dh, dr
         self.nope_dim = dh - dr
-        self.wq = nn.Linear(cfg.d_model, h * dh, bias=cfg.bias)  # W^Q
-        self.wkv = nn.Linear(cfg.d_model, g * dh, bias=cfg.bias)  # W^KV: the tied value/key heads
-        self.wk_rope = nn.Linear(cfg.d_model, dr, bias=cfg.bias) if dr else None  # W^KR
+        self.wq = Linear(cfg.d_model, h * dh, bias=cfg.bias)  # W^Q
+        self.wkv = Linear(cfg.d_model, g * dh, bias=cfg.bias)  # W^KV: the tied value/key heads
+        self.wk_rope = Linear(cfg.d_model, dr, bias=cfg.bias) if dr else None  # W^KR
         self.rope = RotaryEmbedding(dr, cfg.max_seq_len, cfg.rope_theta) if dr else None
         self.scale = 1.0 / math.sqrt(dh)
         self.make_output(h * dh)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from kvlm.attention import register
-from kvlm.attention.base import Attention, Step, attend
+from kvlm.attention.base import Attention, Linear, Step, attend
 from kvlm.attention.rope import RotaryEmbedding, apply_rope
 from kvlm.config import ModelConfig
 
@@ -28,15 +28,15 @@ class MultiMatrixFactorizationAttention(Attention):
         self.n_head, self.head_dim = h, dh
         self.q_norm = None
         if cfg.q_lora_rank:
-            self.wq_a = nn.Linear(cfg.d_model, cfg.q_lora_rank, bias=cfg.bias)  # W^CQ
+            self.wq_a = Linear(cfg.d_model, cfg.q_lora_rank, bias=cfg.bias)  # W^CQ
             if cfg.latent_norm:
                 self.q_norm = nn.RMSNorm(cfg.q_lora_rank, eps=cfg.norm_eps)
-            self.wq_b = nn.Linear(cfg.q_lora_rank, h * dh, bias=cfg.bias)  # W^UQ
+            self.wq_b = Linear(cfg.q_lora_rank, h * dh, bias=cfg.bias)  # W^UQ
             self.alpha_q = math.sqrt(cfg.d_model / cfg.q_lora_rank) if cfg.latent_scaling else 1.0
         else:
-            self.wq = nn.Linear(cfg.d_model, h * dh, bias=cfg.bias)
-        self.wk = nn.Linear(cfg.d_model, dh, bias=cfg.bias)  # W^K: one key head
-        self.wv = nn.Linear(cfg.d_model, dh, bias=cfg.bias)  # W^V: one value head
+            self.wq = Linear(cfg.d_model, h * dh, bias=cfg.bias)
+        self.wk = Linear(cfg.d_model, dh, bias=cfg.bias)  # W^K: one key head
+        self.wv = Linear(cfg.d_model, dh, bias=cfg.bias)  # W^V: one value head
         self.rope = RotaryEmbedding(dh, cfg.max_seq_len, cfg.rope_theta) if cfg.rope else None
         self.make_output(h * dh)
 

@@ -7,10 +7,9 @@ Caches K^C and V^C: 2 g d_h elements per token per layer.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from kvlm.attention import register
-from kvlm.attention.base import Attention, Step, attend, require, softmax_scale
+from kvlm.attention.base import Attention, Linear, Step, attend, require, softmax_scale
 from kvlm.attention.rope import RotaryEmbedding, apply_rope
 from kvlm.config import ModelConfig
 
@@ -23,9 +22,9 @@ class MultiHeadAttention(Attention):
         super().__init__(cfg, layer_idx)
         h, g, dh = cfg.n_head, cfg.n_kv_head, cfg.head_dim
         self.n_head, self.n_kv_head, self.head_dim = h, g, dh
-        self.wq = nn.Linear(cfg.d_model, h * dh, bias=cfg.bias)
-        self.wk = nn.Linear(cfg.d_model, g * dh, bias=cfg.bias)
-        self.wv = nn.Linear(cfg.d_model, g * dh, bias=cfg.bias)
+        self.wq = Linear(cfg.d_model, h * dh, bias=cfg.bias)
+        self.wk = Linear(cfg.d_model, g * dh, bias=cfg.bias)
+        self.wv = Linear(cfg.d_model, g * dh, bias=cfg.bias)
         self.rope = RotaryEmbedding(dh, cfg.max_seq_len, cfg.rope_theta) if cfg.rope else None
         self.make_output(h * dh)
 

@@ -63,7 +63,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvlm.attention import register
-from kvlm.attention.base import Attention, Step, attend, require
+from kvlm.attention.base import Attention, Linear, Step, attend, require
 from kvlm.attention.rope import RotaryEmbedding, apply_rope
 from kvlm.cache import CacheError
 from kvlm.config import ModelConfig
@@ -165,15 +165,15 @@ class MLA(Attention):
         bias = cfg.bias
         # query path, Eqs. 37-40
         if dq:
-            self.w_dq = nn.Linear(d, dq, bias=bias)
+            self.w_dq = Linear(d, dq, bias=bias)
             self.q_norm = nn.RMSNorm(dq, eps=cfg.norm_eps) if cfg.latent_norm else None
-            self.w_uq = nn.Linear(dq, h * dh, bias=bias)
-            self.w_qr = nn.Linear(dq, h * dr, bias=bias) if dr else None
+            self.w_uq = Linear(dq, h * dh, bias=bias)
+            self.w_qr = Linear(dq, h * dr, bias=bias) if dr else None
         else:
-            self.wq = nn.Linear(d, h * (dh + dr), bias=bias)
+            self.wq = Linear(d, h * (dh + dr), bias=bias)
         # latent path, Eqs. 41-45
         self.build_latent(cfg)
-        self.w_kr = nn.Linear(d, dr, bias=bias) if dr else None
+        self.w_kr = Linear(d, dr, bias=bias) if dr else None
         self.rope = RotaryEmbedding(dr, cfg.max_seq_len, cfg.rope_theta) if dr else None
         self.build_up(cfg)
         self.make_output(h * dh)
@@ -183,14 +183,14 @@ class MLA(Attention):
         d, dc, eps = cfg.d_model, cfg.kv_lora_rank, cfg.norm_eps
         names = ("k", "v") if self.separate else ("kv",)
         for n in names:
-            setattr(self, f"w_d{n}", nn.Linear(d, dc, bias=cfg.bias))
+            setattr(self, f"w_d{n}", Linear(d, dc, bias=cfg.bias))
             setattr(self, f"{n}_norm", nn.RMSNorm(dc, eps=eps) if cfg.latent_norm else None)
 
     def build_up(self, cfg: ModelConfig) -> None:
         """Up-projections W^UK, W^UV (d_c -> h d_h)."""
         h, dh, dc = cfg.n_head, cfg.head_dim, cfg.kv_lora_rank
-        self.w_uk = nn.Linear(dc, h * dh, bias=cfg.bias)
-        self.w_uv = nn.Linear(dc, h * dh, bias=cfg.bias)
+        self.w_uk = Linear(dc, h * dh, bias=cfg.bias)
+        self.w_uv = Linear(dc, h * dh, bias=cfg.bias)
 
     # --- configuration ---------------------------------------------------------------------------
     @classmethod

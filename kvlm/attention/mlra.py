@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvlm.attention import register
-from kvlm.attention.base import Attention, Step, attend, require
+from kvlm.attention.base import Attention, Linear, Step, attend, require
 from kvlm.attention.rope import RotaryEmbedding, apply_rope
 from kvlm.cache import CacheError
 from kvlm.config import ModelConfig
@@ -105,13 +105,13 @@ class LatentQueryMixin:
         width = cfg.n_head * (cfg.head_dim + cfg.rope_head_dim)
         self.q_norm = None
         if cfg.q_lora_rank:
-            self.wq_a = nn.Linear(cfg.d_model, cfg.q_lora_rank, bias=cfg.bias)  # W^DQ
+            self.wq_a = Linear(cfg.d_model, cfg.q_lora_rank, bias=cfg.bias)  # W^DQ
             if cfg.latent_norm:
                 self.q_norm = nn.RMSNorm(cfg.q_lora_rank, eps=cfg.norm_eps)
-            self.wq_b = nn.Linear(cfg.q_lora_rank, width, bias=cfg.bias)  # [W^UQ_i, W^QR_i] per head i
+            self.wq_b = Linear(cfg.q_lora_rank, width, bias=cfg.bias)  # [W^UQ_i, W^QR_i] per head i
             self.alpha_q = math.sqrt(cfg.d_model / cfg.q_lora_rank) if cfg.latent_scaling else 1.0
         else:
-            self.wq = nn.Linear(cfg.d_model, width, bias=cfg.bias)
+            self.wq = Linear(cfg.d_model, width, bias=cfg.bias)
 
     def query(self, x: torch.Tensor, rope_cs) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x (B, T, d) -> Q^NoPE (B, h, T, d_h), RoPE'd Q^RoPE (B, h, T, d_h^R) or None."""
@@ -147,7 +147,7 @@ class LatentBlockAttention(LatentQueryMixin, Attention):
         self.n_units = self.n_blocks * self.r
         self.d_lat = dc // self.n_blocks
         self.make_query(cfg)
-        self.wkv_a = nn.Linear(cfg.d_model, dc + dr, bias=cfg.bias)  # [W^DKV (blocks in order), W^KR]
+        self.wkv_a = Linear(cfg.d_model, dc + dr, bias=cfg.bias)  # [W^DKV (blocks in order), W^KR]
         self.kv_norm = BlockRMSNorm(self.n_blocks, self.d_lat, cfg.norm_eps) if cfg.latent_norm else None
         self.w_uk = nn.Parameter(torch.empty(self.n_blocks, self.r, dh, self.d_lat))
         self.w_uv = nn.Parameter(torch.empty(self.n_blocks, self.r, self.d_lat, dh))

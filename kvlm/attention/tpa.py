@@ -17,10 +17,9 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 
 from kvlm.attention import register
-from kvlm.attention.base import Attention, Step, attend, require
+from kvlm.attention.base import Attention, Linear, Step, attend, require
 from kvlm.attention.mlra import ABSORB_MAX_NEW, visible_mask
 from kvlm.attention.rope import RotaryEmbedding, apply_rope
 from kvlm.cache import CacheError
@@ -37,8 +36,8 @@ class TensorProductAttention(Attention):
         h, dh, bq, bkv = cfg.n_head, cfg.head_dim, cfg.tpa_q_rank, cfg.tpa_kv_rank
         self.n_head, self.head_dim, self.beta_q, self.beta_kv = h, dh, bq, bkv
         # [W^AQ, W^AK, W^AV] and [W^CQ, W^CK, W^CV], each stacked into one matmul
-        self.w_a = nn.Linear(cfg.d_model, (bq + 2 * bkv) * h, bias=cfg.bias)
-        self.w_c = nn.Linear(cfg.d_model, (bq + 2 * bkv) * dh, bias=cfg.bias)
+        self.w_a = Linear(cfg.d_model, (bq + 2 * bkv) * h, bias=cfg.bias)
+        self.w_c = Linear(cfg.d_model, (bq + 2 * bkv) * dh, bias=cfg.bias)
         self.rope = RotaryEmbedding(dh, cfg.max_seq_len, cfg.rope_theta) if cfg.rope else None
         self.scale = 1.0 / math.sqrt(dh)
         self.make_output(h * dh)
