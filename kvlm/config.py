@@ -42,6 +42,9 @@ class ModelConfig:
     rope: bool = True  # RoPE on q/k (mha/mqa/gqa/mfa/tpa: whole head; latent mechanisms: see rope_head_dim)
     rope_theta: float = 10000.0
     rope_head_dim: int | None = None  # d_h^R, decoupled RoPE key for mla/eg-mla/gla/mlra/gta; 0 = no RoPE
+    # n_R: decoupled RoPE key heads (mla only); query head i reads k_rope head i // (n_head / n_R). 1 = DeepSeek's
+    # one shared k_rope; n_R = g lets a GQA model with g kv heads convert to MLA exactly (MHA2MLA)
+    rope_kv_heads: int = 1
     # --- latent attention (mla, eg-mla, gla, mlra, mfa) ------------------------------------
     q_lora_rank: int = 0  # d'_c; 0 = plain W_Q (no query compression)
     kv_lora_rank: int | None = None  # d_c
@@ -118,6 +121,14 @@ class ModelConfig:
             raise ConfigError(f"dropout must be in [0, 1), got {self.dropout}")
         if self.q_lora_rank < 0:
             raise ConfigError(f"q_lora_rank must be >= 0, got {self.q_lora_rank}")
+        if self.rope_kv_heads < 1:
+            raise ConfigError(f"rope_kv_heads must be >= 1, got {self.rope_kv_heads}")
+        # declared per class (not inherited): a subclass of MLA must opt in to several RoPE key heads itself
+        if self.rope_kv_heads != 1 and not vars(registry()[self.attention]).get("supports_rope_kv_heads"):
+            raise ConfigError(
+                f"rope_kv_heads={self.rope_kv_heads}: attention {self.attention!r} has one shared RoPE key; "
+                "several decoupled RoPE key heads are implemented for 'mla' only"
+            )
         # mechanism-specific checks live with the mechanism
         registry()[self.attention].check_config(self)
 

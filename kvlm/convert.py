@@ -11,21 +11,23 @@ Conversion to MLA (``gqa_to_mla``), after TransMLA (Meng et al. 2025) and MHA2ML
 1. Partial RoPE (MHA2MLA's high-frequency choice): of each head's d_h/2 rotary frequencies keep the first
    r = d_h^R / 2 (the fastest) as the decoupled RoPE part. They stay exact: kvlm's RoPE over d_h^R dims with
    theta' = theta^(d_h^R / d_h) has frequencies theta'^(-2a/d_h^R) = theta^(-2a/d_h), a < r.
-2. MLA's k_rope is one vector shared by all heads (DeepSeek-V2 Eq. 43), a GQA model has g rotary keys. For
-   each kept frequency we mix the g kv heads' pairs with an orthogonal map (it commutes with the rotation, as
-   TransMLA's RoRoPE) chosen by PCA of the keys, and keep its first component as k_rope; query head i of
-   group j gets that component's weight u_f[j]. The rest of each key (its other g - 1 components at kept
-   frequencies, and every non-kept frequency) joins the NoPE part, without rotation: the approximation. With
-   g = 1 nothing is left over, so MQA (or any model with one kv head) converts exactly.
+2. MLA's k_rope is one vector shared by all heads (DeepSeek-V2 Eq. 43), a GQA model has g rotary keys. With
+   ``rope_kv_heads`` = n_R (a divisor of g; kvlm's MLA then caches n_R RoPE keys, query head i reading
+   i // (h / n_R)) each RoPE key serves g / n_R kv heads. For each kept frequency we mix those kv heads' pairs
+   with an orthogonal map (it commutes with the rotation, as TransMLA's RoRoPE) chosen by PCA of the keys, and
+   keep its first component as that k_rope head; query head i of kv group j gets that component's weight
+   u_f[j]. The rest of each key (its other g / n_R - 1 components at kept frequencies, and every non-kept
+   frequency) joins the NoPE part, without rotation: the approximation. With n_R = g (MHA2MLA's per-head RoPE
+   keys; g = 1 is plain MLA) nothing is left over and the rotary part is exact.
 3. The NoPE keys (d_h per head, zero-free: the full head in a permuted order) and the values are compressed
    jointly into c_kv of rank d_c by PCA of their activations (TransMLA's BKV-PCA: keys are first scaled to
    the values' norm, so neither dominates the principal directions); without calibration data, SVD of the
    weights. With d_c >= rank([W_K^NoPE; W_V]) (<= min(2 g d_h, d)) this step is exact.
 4. The softmax scale 1/sqrt(d_h + d_h^R) of MLA (Eq. 46) is undone by scaling W^Q by sqrt((d_h + d_h^R) / d_h).
 
-So the conversion reproduces the original logits (float tolerance) when g = 1, d_h^R = d_h and d_c is full.
-For g > 1 exactness needs one k_rope head per kv head (MHA2MLA keeps per-head RoPE keys): kvlm's MLA has a
-single shared one; ``convert_report()`` records what each setting keeps.
+So the conversion reproduces the original logits (float tolerance) when rope_kv_heads = g, d_h^R = d_h and d_c
+is full (for g = 1 that is DeepSeek's MLA with one shared k_rope; for g > 1 it caches g d_h^R RoPE dims);
+``convert_report()`` records what each setting keeps.
 """
 
 from __future__ import annotations
@@ -233,9 +235,13 @@ def _top_eigvecs(c: torch.Tensor, k: int) -> torch.Tensor:
 
 # --- GQA -> MLA --------------------------------------------------------------------------------------------
 def mla_config_for(
-    src: ModelConfig, kv_lora_rank: int | None = None, rope_head_dim: int | None = None
+    src: ModelConfig,
+    kv_lora_rank: int | None = None,
+    rope_head_dim: int | None = None,
+    rope_kv_heads: int = 1,
 ) -> ModelConfig:
-    """The MLA config a conversion of ``src`` produces (full rank / all rotary dims by default)."""
+    """The MLA config a conversion of ``src`` produces (full rank / all rotary dims by default; one shared
+    k_rope unless ``rope_kv_heads``, a divisor of the source's kv heads g, asks for more)."""
     if src.attention not in ("mha", "mqa", "gqa"):
         raise ConvertError(f"only mha / mqa / gqa models convert to MLA, not {src.attention!r}")
     if not src.rope or src.arch != "llama":
@@ -246,6 +252,8 @@ def mla_config_for(
     dr = dh if rope_head_dim is None else rope_head_dim
     if dr <= 0 or dr % 2 or dr > dh:
         raise ConvertError(f"rope_head_dim must be even and in [2, head_dim={dh}], got {dr}")
+    if rope_kv_heads < 1 or g % rope_kv_heads:
+        raise ConvertError(f"rope_kv_heads must divide the source's n_kv_head={g}, got {rope_kv_heads}")
     full = min(2 * g * dh, d)
     dc = full if kv_lora_rank is None else kv_lora_rank
     if not 0 < dc <= d:
@@ -255,6 +263,7 @@ def mla_config_for(
         n_kv_head=src.n_head,
         kv_lora_rank=dc,
         rope_head_dim=dr,
+        rope_kv_heads=rope_kv_heads,
         rope_theta=src.rope_theta ** (dr / dh),  # keeps the first dr/2 frequencies exactly (step 1)
         q_lora_rank=0,
         latent_norm=False,
@@ -262,7 +271,7 @@ def mla_config_for(
         kv_latent="joint",
         gated=False,
         note=f"{src.note + '; ' if src.note else ''}converted from {src.attention} (g={g}) to MLA: "
-        f"d_c={dc}, d_h^R={dr}",
+        f"d_c={dc}, d_h^R={dr}, n_R={rope_kv_heads}",
     )
 
 
@@ -275,18 +284,22 @@ def gqa_to_mla(
     balance_kv: bool = True,
     moments: list[torch.Tensor] | None = None,
     rope_residual: str = "nope",
+    rope_kv_heads: int = 1,
 ) -> KVLM:
     """Convert a kvlm mha/gqa/mqa model into an MLA model (see the module docstring). ``calib_tokens``
     (B, T) token ids for the activation statistics (or ``moments``, ``attention_input_moments``'s result,
     to reuse them across ranks); neither: weight SVD. rope_residual: what becomes of the kept frequencies'
     key components that the shared k_rope does not carry (g > 1): "nope" (TransMLA: into the NoPE part, no
-    rotation) or "drop". Returns a new float32 model."""
+    rotation) or "drop". rope_kv_heads: n_R RoPE key heads (a divisor of g; n_R = g keeps every kv head's
+    rotary key, exact at full rank). Returns a new float32 model."""
     if rope_residual not in ("nope", "drop"):
         raise ConvertError(f"rope_residual must be 'nope' or 'drop', got {rope_residual!r}")
     src = model.cfg
-    cfg = mla_config_for(src, kv_lora_rank, rope_head_dim)
+    cfg = mla_config_for(src, kv_lora_rank, rope_head_dim, rope_kv_heads)
     h, g, dh, dr, dc = src.n_head, src.n_kv_head, src.head_dim, cfg.rope_head_dim, cfg.kv_lora_rank
     r, per = dr // 2, src.n_head // src.n_kv_head
+    n_r = rope_kv_heads
+    gp = g // n_r  # kv heads mixed into each RoPE key head
     kept = list(range(r)) + list(range(dh // 2, dh // 2 + r))  # MLA rope index t <- original dim kept[t]
     nope = [i for i in range(dh) if i not in kept]
     order = torch.tensor(nope + kept)  # a head's NoPE key: its non-kept dims, then the kept dims' residual
@@ -302,15 +315,18 @@ def gqa_to_mla(
         wq = a.wq.weight.double().view(h, dh, -1)
         wk = a.wk.weight.double().view(g, dh, -1)
         wv = a.wv.weight.double().view(g, dh, -1)
-        # step 2: per kept frequency f, u_f = leading eigenvector of the g x g key covariance (both components)
-        wk_kept = wk[:, kept]  # (g, dr, d)
-        u = torch.empty(g, r, dtype=torch.float64)
-        for f in range(r):
-            c = sum(wk_kept[:, t] @ sigma @ wk_kept[:, t].T for t in (f, f + r))
-            u[:, f] = _top_eigvecs(c, 1)[:, 0]
-        u_t = torch.cat([u, u], dim=1)  # (g, dr): weight of rope index t is u[:, t mod r]
-        w_kr = torch.einsum("jt,jtd->td", u_t, wk_kept)  # shared k_rope rows (dr, d)
-        resid = wk_kept - u_t[:, :, None] * w_kr[None]  # (g, dr, d) left to the NoPE part
+        # step 2: per RoPE key head k and kept frequency f, u_kf = leading eigenvector of the covariance of the
+        # keys of k's g / n_R kv heads (both components of the pair)
+        wk_kept = wk[:, kept].view(n_r, gp, dr, -1)  # (n_R, g / n_R, dr, d)
+        u = torch.empty(n_r, gp, r, dtype=torch.float64)
+        for k in range(n_r):
+            for f in range(r):
+                c = sum(wk_kept[k, :, t] @ sigma @ wk_kept[k, :, t].T for t in (f, f + r))
+                u[k, :, f] = _top_eigvecs(c, 1)[:, 0]
+        u_t = torch.cat([u, u], dim=2)  # (n_R, g / n_R, dr): weight of rope index t is u[..., t mod r]
+        w_kr = torch.einsum("kjt,kjtd->ktd", u_t, wk_kept)  # k_rope rows (n_R, dr, d)
+        resid = (wk_kept - u_t[..., None] * w_kr[:, None]).view(g, dr, -1)  # left to the NoPE part
+        u_t = u_t.reshape(g, dr)  # kv head j = k (g / n_R) + j' belongs to RoPE key head k = j // (g / n_R)
         if rope_residual == "drop":
             resid = torch.zeros_like(resid)
         wk_nope = torch.cat([wk[:, nope], resid], dim=1)  # (g, dh, d), rows in `order`
@@ -332,7 +348,7 @@ def gqa_to_mla(
         q_rope = wq[:, kept] * u_t[group][:, :, None]  # (h, dr, d)
         b.wq.weight.copy_((torch.cat([q_nope, q_rope], dim=1) * q_scale).reshape(h * (dh + dr), -1))
         b.w_dkv.weight.copy_(w_dkv)
-        b.w_kr.weight.copy_(w_kr)
+        b.w_kr.weight.copy_(w_kr.reshape(n_r * dr, -1))
         b.w_uk.weight.copy_(up_k[group].reshape(h * dh, dc))
         b.w_uv.weight.copy_(up_v[group].reshape(h * dh, dc))
         b.wo.weight.copy_(a.wo.weight)
@@ -349,7 +365,10 @@ def convert_report(src: ModelConfig, dst: ModelConfig, dtype_bytes: int = 2) -> 
         "kv_saved_fraction": 1 - after / before,
         "kv_lora_rank": dst.kv_lora_rank,
         "rope_head_dim": dst.rope_head_dim,
-        "exact": src.n_kv_head == 1 and dst.rope_head_dim == src.head_dim and dst.kv_lora_rank >= full_rank,
+        "rope_kv_heads": dst.rope_kv_heads,
+        "exact": dst.rope_kv_heads == src.n_kv_head
+        and dst.rope_head_dim == src.head_dim
+        and dst.kv_lora_rank >= full_rank,
     }
 
 
@@ -424,6 +443,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--rope-head-dim", type=int, default=None, help="d_h^R rotary dims kept (default: head_dim)"
     )
     p.add_argument(
+        "--rope-kv-heads",
+        type=int,
+        default=1,
+        help="n_R RoPE key heads, a divisor of the source's kv heads (default 1, DeepSeek's shared k_rope; "
+        "the kv head count makes full rank exact)",
+    )
+    p.add_argument(
         "--calib-data", default=None, help=".jsonl/.txt text for the PCA statistics (default: weights)"
     )
     p.add_argument("--calib-tokens", type=int, default=4096)
@@ -454,7 +480,9 @@ def main(args) -> int:
                 raise ConvertError("--calib-data needs the source's tokenizer")
             calib = text_tokens(args.calib_data, tok, args.calib_tokens, args.seq_len)
         src_cfg = model.cfg
-        model = gqa_to_mla(model, args.kv_lora_rank, args.rope_head_dim, calib)
+        model = gqa_to_mla(
+            model, args.kv_lora_rank, args.rope_head_dim, calib, rope_kv_heads=args.rope_kv_heads
+        )
         result.update(convert_report(src_cfg, model.cfg))
         result["attention"] = "mla"
         if eval_windows is not None:

@@ -351,6 +351,10 @@ def _shard_mla(attn, rank, world):
     heads of a token, so the shard's LayerNorm gets the token's mean and variance with two all-reduces of
     one number per token (TPLayerNorm)."""
     cfg = attn.cfg
+    if getattr(cfg, "rope_kv_heads", 1) > 1:
+        from kvlm.config import ConfigError
+
+        raise ConfigError("tensor parallelism of MLA with rope_kv_heads > 1 is not implemented")
     dh, dr = cfg.head_dim, cfg.rope_head_dim
     q = _heads_of(cfg.n_head, rank, world)
     rules = _output_rules(q, dh)

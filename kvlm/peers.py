@@ -39,6 +39,7 @@ def build_peer(model: KVLM) -> Peer:
     if cfg.attention in ("mha", "mqa", "gqa"):
         peer = _llama_peer(model)
     elif cfg.attention == "mla":
+        _require(cfg.rope_kv_heads == 1, "DeepseekV3 has one shared RoPE key (rope_kv_heads must be 1)")
         peer = _deepseek_v3_peer(model)
     else:
         raise PeerUnavailable(f"no transformers implementation of {cfg.attention!r}")

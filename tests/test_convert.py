@@ -116,6 +116,45 @@ def test_gqa_rope_sharing_is_exact_when_kv_heads_share_rotary_keys():
     assert _mla_error(model2, mla2, tokens()) > 1e-3
 
 
+@pytest.mark.parametrize("calibrate", [True, False])
+def test_gqa_conversion_with_per_group_rope_keys_is_exact(calibrate):
+    """g = 2 independent kv heads: with rope_kv_heads = 2 (one k_rope head per kv head, MHA2MLA), full latent
+    rank and every rotary dim, nothing is mixed or dropped: the original logits, in every decode route."""
+    model = import_llama(tiny_llama(2, seed=4))
+    mla = gqa_to_mla(model, calib_tokens=tokens(2, (4, 64)) if calibrate else None, rope_kv_heads=2)
+    assert mla.cfg.rope_kv_heads == 2 and mla.cfg.rope_head_dim == 16 and mla.cfg.kv_lora_rank == 64
+    assert convert_report(model.cfg, mla.cfg)["exact"]
+    assert mla.cfg.kv_cache_elements_per_token() == 2 * (64 + 2 * 16)  # c_kv + n_R d_h^R per layer
+    x = tokens()
+    assert _mla_error(model, mla, x) < 1e-4
+    with torch.no_grad():
+        ref = model(x[:, :41])[:, 40]
+    for mode in ("absorbed", "expand", "naive"):
+        cache = mla.new_cache(3, 48, naive=mode == "naive")
+        with torch.no_grad():
+            mla(x[:, :40], cache=cache, mode=mode)
+            step = mla(x[:, 40:41], cache=cache, mode=mode)
+        assert (step[:, 0] - ref).abs().max() < 1e-4 * ref.abs().max()
+    # one shared k_rope (the default) on the same model is an approximation
+    assert _mla_error(model, gqa_to_mla(model, calib_tokens=tokens(2, (4, 64))), x) > 1e-3
+
+
+def test_per_group_rope_keys_at_lower_ranks_degrade_gracefully():
+    """rope_kv_heads = g with a smaller latent or fewer rotary dims: finite, ordered losses, not exact."""
+    model = import_llama(tiny_llama(2, seed=6))
+    calib, held_out = tokens(2, (8, 64)), tokens(9, (8, 64))
+    base = window_perplexity(model, held_out)
+    gap = {}
+    for dc, dr in [(64, 16), (32, 16), (16, 16), (64, 8)]:
+        mla = gqa_to_mla(model, dc, dr, calib, rope_kv_heads=2)
+        assert convert_report(model.cfg, mla.cfg)["exact"] == (dc == 64 and dr == 16)
+        gap[dc, dr] = abs(math.log(window_perplexity(mla, held_out) / base))
+    assert gap[64, 16] < 1e-5
+    # the latent holds g d_h = 32 value dims (keys are all RoPE): d_c = 32 is still lossless, 16 is not
+    assert gap[32, 16] < 1e-5 and gap[16, 16] > 1e-3 and gap[64, 8] > 1e-3
+    assert all(math.isfinite(v) for v in gap.values())
+
+
 def test_lower_ranks_degrade_gracefully_and_finetune_recovers():
     model = import_llama(tiny_llama(1, seed=5))
     calib = tokens(2, (8, 64))
@@ -150,6 +189,8 @@ def test_conversion_settings_are_checked():
         gqa_to_mla(model, rope_head_dim=3)
     with pytest.raises(ConvertError, match="kv_lora_rank"):
         gqa_to_mla(model, kv_lora_rank=65)
+    with pytest.raises(ConvertError, match="rope_kv_heads must divide the source's n_kv_head=2"):
+        gqa_to_mla(model, rope_kv_heads=4)
 
 
 def test_import_hf_cli(tmp_path, capsys):

@@ -32,8 +32,13 @@ def _decode(model, tokens, mode, prefill=6):
 
 @pytest.mark.parametrize(
     "overrides",
-    [{}, {"q_lora_rank": 24, "latent_scaling": True}, {"kv_latent": "separate", "kv_lora_rank": 16}],
-    ids=["plain", "q_lora", "separate"],
+    [
+        {},
+        {"q_lora_rank": 24, "latent_scaling": True},
+        {"kv_latent": "separate", "kv_lora_rank": 16},
+        {"rope_kv_heads": 2},
+    ],
+    ids=["plain", "q_lora", "separate", "rope_kv_heads"],
 )
 @pytest.mark.parametrize("fold", ["none", "all"])
 def test_absorbed_equals_naive_equals_expand(overrides, fold):
@@ -135,9 +140,11 @@ def test_latent_attention_fused_float32_matches_float64_math(masked):
     assert (ref[:, :, 0] - c[:, None, 0]).abs().max() < 1e-12  # the first token sees only itself
 
 
+@pytest.mark.parametrize("n_r", [1, 2])
 @pytest.mark.parametrize("pad", [None, [0, 2, 5]])
-def test_attend_split_rope_bias_equals_concatenated_keys(pad, monkeypatch):
-    """Decode-sized calls add the shared RoPE key's scores as a mask; longer ones concatenate K: same result."""
+def test_attend_split_rope_bias_equals_concatenated_keys(pad, n_r, monkeypatch):
+    """Decode-sized calls add the shared RoPE key's scores as a mask; longer ones concatenate K: same result.
+    n_r = 2: two RoPE keys, heads 0-1 read the first, heads 2-3 the second."""
     import kvlm.attention.mla as mla_mod
 
     B, H, T, S, dh, dr = 3, 4, 3, 11, 16, 8
@@ -146,13 +153,12 @@ def test_attend_split_rope_bias_equals_concatenated_keys(pad, monkeypatch):
         torch.randn(B, S, H, dh, dtype=torch.float64).transpose(1, 2),
         torch.randn(B, H, S, dh, dtype=torch.float64),
     )
-    kr = torch.randn(B, S, dr, dtype=torch.float64)
+    kr = torch.randn(B, S, dr, dtype=torch.float64) if n_r == 1 else torch.randn(B, n_r, S, dr).double()
+    kr_heads = kr[:, None].expand(-1, H, -1, -1) if n_r == 1 else kr[:, [0, 0, 1, 1]]
     step = Step.build(
         torch.zeros(B, T, dtype=torch.long), start=S - T, pad=None if pad is None else torch.tensor(pad)
     )
-    scores = (
-        torch.cat([q, qr], -1) @ torch.cat([k, kr[:, None].expand(-1, H, -1, -1)], -1).transpose(-1, -2)
-    ) * 0.3
+    scores = (torch.cat([q, qr], -1) @ torch.cat([k, kr_heads], -1).transpose(-1, -2)) * 0.3
     mask = step.mask if step.mask is not None else torch.ones(T, S, dtype=torch.bool).tril(S - T)
     ref = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
     with torch.no_grad():  # the RoPE-bias route is for inference-sized calls
@@ -163,15 +169,21 @@ def test_attend_split_rope_bias_equals_concatenated_keys(pad, monkeypatch):
     assert (cat_route - ref).abs().max() < 1e-12
 
 
-def _paper_params(d, h, dh, dr, dc, dq):
-    """mlra.md Table 1, MLA row; with d'_c = 0 a plain W^Q of d x h (d_h + d_h^R)."""
+def _paper_params(d, h, dh, dr, dc, dq, n_r=1):
+    """mlra.md Table 1, MLA row; with d'_c = 0 a plain W^Q of d x h (d_h + d_h^R); W^KR n_R times as wide."""
     q = dq * (d + h * dh + h * dr) if dq else d * h * (dh + dr)
-    return q + d * dr + dc * (d + 2 * h * dh) + d * h * dh
+    return q + d * n_r * dr + dc * (d + 2 * h * dh) + d * h * dh
 
 
 @pytest.mark.parametrize(
     "overrides",
-    [{}, {"q_lora_rank": 24}, {"rope": False}, {"q_lora_rank": 40, "rope_head_dim": 16, "kv_lora_rank": 48}],
+    [
+        {},
+        {"q_lora_rank": 24},
+        {"rope": False},
+        {"q_lora_rank": 40, "rope_head_dim": 16, "kv_lora_rank": 48},
+        {"rope_kv_heads": 4},
+    ],
 )
 def test_parameter_count_equals_paper(overrides):
     cfg = tiny_config("mla", **overrides)
@@ -184,21 +196,25 @@ def test_parameter_count_equals_paper(overrides):
         cfg.kv_lora_rank,
         cfg.q_lora_rank,
     )
+    n_r = overrides.get("rope_kv_heads", 1)
     norms = dc + dq  # RMSNorm weights on c^KV and c^Q
-    assert sum(p.numel() for p in attn.parameters()) == _paper_params(d, h, dh, dr, dc, dq) + norms
+    assert sum(p.numel() for p in attn.parameters()) == _paper_params(d, h, dh, dr, dc, dq, n_r) + norms
     # separate latents: a second down-projection and norm, W^UK / W^UV unchanged
     sep = MLA(cfg.replace(kv_latent="separate"), 0)
-    assert (
-        sum(p.numel() for p in sep.parameters()) == _paper_params(d, h, dh, dr, dc, dq) + norms + dc * d + dc
-    )
+    n_sep = sum(p.numel() for p in sep.parameters())
+    assert n_sep == _paper_params(d, h, dh, dr, dc, dq, n_r) + norms + dc * d + dc
 
 
-@pytest.mark.parametrize("overrides", [{}, {"rope": False}, {"kv_latent": "separate", "kv_lora_rank": 32}])
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"rope": False}, {"kv_latent": "separate", "kv_lora_rank": 32}, {"rope_kv_heads": 2}],
+)
 def test_cache_bytes_are_latent_plus_rope_key(overrides):
     model = _model(torch.float32, **overrides)
     cfg = model.cfg
     n_latent = 2 if cfg.kv_latent == "separate" else 1
-    per_layer = n_latent * cfg.kv_lora_rank + cfg.rope_head_dim  # d_c + d_h^R (2 r + d_h^R separate)
+    n_r = overrides.get("rope_kv_heads", 1)
+    per_layer = n_latent * cfg.kv_lora_rank + n_r * cfg.rope_head_dim  # d_c + n_R d_h^R (2 r + .. separate)
     assert cfg.kv_cache_elements_per_token() == cfg.n_layer * per_layer
     cache = model.new_cache(3, 10)
     assert cache.nbytes == 3 * 10 * cfg.n_layer * per_layer * 4
@@ -235,11 +251,22 @@ def test_scale_and_scaling_factors():
         ({"rope_head_dim": 7}, "rope_head_dim must be even"),
         ({"rope_head_dim": 32}, "rope_head_dim=32 is larger than head_dim=16"),
         ({"kv_lora_rank": 0}, "kv_lora_rank"),
+        ({"rope_kv_heads": 3}, "n_head=4 is not divisible by rope_kv_heads=3"),
+        ({"rope_kv_heads": 0}, "rope_kv_heads must be >= 1"),
+        ({"rope_kv_heads": 2, "rope": False}, "rope_kv_heads=2 needs decoupled RoPE keys"),
     ],
 )
 def test_config_errors(overrides, match):
     with pytest.raises(ConfigError, match=match):
         tiny_config("mla", **overrides)
+
+
+@pytest.mark.parametrize("attention", ["eg-mla", "mlra-2", "gla-2", "gta", "mha"])
+def test_rope_kv_heads_is_mla_only(attention):
+    """Subclasses and relatives of MLA keep one shared RoPE key: n_R > 1 is refused, n_R = 1 still builds."""
+    with pytest.raises(ConfigError, match=f"rope_kv_heads=2: attention '{attention}'"):
+        tiny_config(attention, rope_kv_heads=2)
+    tiny_config(attention, rope_kv_heads=1)
 
 
 def test_mode_and_cache_mismatch_is_a_clear_error():

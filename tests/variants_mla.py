@@ -14,4 +14,6 @@ VARIANTS = [
     ("mla", {"kv_lora_rank": 8}),  # d_c < d_h: absorbed route folds W^Q.W^UK and W^UV.W^O
     ("mla", {"gated": True, "q_lora_rank": 16}),
     ("mla", {"arch": "gpt2", "bias": True, "kv_lora_rank": 8}),
+    ("mla", {"rope_kv_heads": 2}),  # per-group RoPE keys (MHA2MLA), n_head = 4: two heads per k_rope head
+    ("mla", {"rope_kv_heads": 4, "kv_lora_rank": 8, "q_lora_rank": 16, "bias": True}),  # one per head, folded
 ]

@@ -11,11 +11,15 @@ Latent path (Eqs. 41-45)::
     c^KV = alpha_kv RMSNorm(W^DKV h)  (d_c, cached)      k^R = RoPE(W^KR h)  (d_h^R, cached, shared by all heads)
     k^C = W^UK c^KV,  v^C = W^UV c^KV,  k_i = [k^C_i; k^R],  o_i = softmax(q_i k_i / sqrt(d_h + d_h^R)) v^C_i
 
+With cfg.rope_kv_heads = n_R > 1, W^KR makes n_R RoPE keys k^R_j (n_R d_h^R cached) and query head i reads
+k^R_{i // (h / n_R)}, as GQA groups its heads (MHA2MLA's per-group RoPE keys): a GQA model with g kv heads then
+converts to MLA exactly with n_R = g (kvlm/convert.py). n_R = 1 is DeepSeek's form.
+
 alpha_q = sqrt(d / d'_c), alpha_kv = sqrt(d / d_c) with cfg.latent_scaling (mlra.md Sec. 3.3), else 1; the
 RMSNorms are dropped with cfg.latent_norm = False; rope_head_dim = 0 removes W^QR, W^KR and k^R (no positions).
 Parameters without biases, exactly mlra.md Table 1's MLA row:
-d'_c (d + h d_h + h d_h^R) + d d_h^R + d_c (d + 2 h d_h) + d h d_h (+ norm weights; with q_lora_rank = 0 the
-first term is d h (d_h + d_h^R)). cfg.bias adds a bias to every projection; each one stays absorbable: the
+d'_c (d + h d_h + h d_h^R) + d n_R d_h^R + d_c (d + 2 h d_h) + d h d_h (+ norm weights; with q_lora_rank = 0
+the first term is d h (d_h + d_h^R); n_R = rope_kv_heads, 1 in the paper). cfg.bias adds a bias to every projection; each one stays absorbable: the
 W^UK bias adds q . b to every score of a query (softmax ignores it) and the W^UV bias passes through the
 softmax weights, which sum to one.
 
@@ -28,7 +32,7 @@ is kv_lora_rank = d_model ... d_model/32. "MLA+RoPE" is taken as DeepSeek's deco
 > 0); RoPE on the whole up-projected key would bind positions into K and make absorption impossible.
 
 Cache (``cache_spec``): compact {"c_kv": (d_c,), "k_rope": (d_h^R,)} (k_rope omitted when d_h^R = 0; "c_k" and
-"c_v" for separate latents). Naive: {"k": (h, d_h + d_h^R), "v": (h, d_h)}, the materialised per-head K/V.
+"c_v" for separate latents; "k_rope": (n_R, d_h^R) with n_R > 1 RoPE key heads). Naive: {"k": (h, d_h + d_h^R), "v": (h, d_h)}, the materialised per-head K/V.
 
 Routes (``step.mode``):
 - no cache (training): up-project to per-head K/V, one SDPA call with is_causal.
@@ -100,8 +104,9 @@ def latent_attention(
 ) -> torch.Tensor:
     """MQA-style attention in latent space (mlra.md Sec. 2.1 Step 2), one shared key/value head.
 
-    q (B, H, T, D_c), q_rope (B, H, T, d_R) or None; c_k (B, S, D_c), k_rope (B, S, d_R) or None, c_v (B, S, D_v):
-    usually strided views of cache buffers (B, max_len, .), never copied. Returns z (B, H, T, D_v) with
+    q (B, H, T, D_c), q_rope (B, H, T, d_R) or None; c_k (B, S, D_c), k_rope (B, S, d_R) (or (B, n_R, S, d_R):
+    grouped RoPE keys) or None, c_v (B, S, D_v): usually strided views of cache buffers (B, max_len, .), never
+    copied. Returns z (B, H, T, D_v) with
     z = softmax(scale (q c_k^T + q_rope k_rope^T)) c_v. Heads and new tokens share one query axis, so each
     cached latent is read once per sequence, not once per head.
 
@@ -118,7 +123,7 @@ def latent_attention(
     if q.dtype != torch.float64 and Dc == c_v.shape[-1]:
         bias = None
         if q_rope is not None:
-            bias = torch.bmm(q_rope.reshape(B, H * T, -1), k_rope.transpose(1, 2)).mul_(scale)
+            bias = rope_scores(q_rope, k_rope).mul_(scale)
         if mask is not None:
             if bias is None:
                 bias = torch.zeros(B, H * T, S, dtype=q.dtype, device=q.device)
@@ -132,12 +137,31 @@ def latent_attention(
         )
         return z.view(B, H, T, Dc)
     scores = torch.bmm((q * scale).reshape(B, H * T, Dc), c_k.transpose(1, 2))  # (B, H T, S)
-    if q_rope is not None:
+    if q_rope is not None and k_rope.dim() == 3:
         scores.baddbmm_(q_rope.reshape(B, H * T, -1), k_rope.transpose(1, 2), alpha=scale)
+    elif q_rope is not None:
+        scores.add_(rope_scores(q_rope, k_rope), alpha=scale)
     if mask is not None:
         scores = scores.view(B, H, T, S).masked_fill(~mask, float("-inf")).view(B, H * T, S)
     p = torch.softmax(scores, dim=-1)
     return torch.bmm(p, c_v).view(B, H, T, c_v.shape[-1])
+
+
+def rope_scores(q_rope: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:
+    """q^R k^R^T as (B, H T, S): q_rope (B, H, T, d_R); k_rope (B, S, d_R), one key for every head, or
+    (B, n_R, S, d_R), head i reading key i // (H / n_R): one matmul per key head over its H / n_R query heads."""
+    B, H, T, dr = q_rope.shape
+    if k_rope.dim() == 3:
+        return torch.bmm(q_rope.reshape(B, H * T, dr), k_rope.transpose(1, 2))
+    n_r, S = k_rope.shape[1], k_rope.shape[2]
+    return torch.matmul(q_rope.reshape(B, n_r, H // n_r * T, dr), k_rope.transpose(-1, -2)).view(B, H * T, S)
+
+
+def rope_keys_per_head(k_rope: torch.Tensor, n_head: int) -> torch.Tensor:
+    """The RoPE key of every query head, (B, h, S, d_R), from k_rope (B, S, d_R) or (B, n_R, S, d_R)."""
+    if k_rope.dim() == 3:
+        return k_rope[:, None].expand(-1, n_head, -1, -1)
+    return k_rope.repeat_interleave(n_head // k_rope.shape[1], dim=1)
 
 
 @register("mla")
@@ -145,6 +169,7 @@ class MLA(Attention):
     name = "mla"
     has_naive_cache = True
     supports_absorption = True
+    supports_rope_kv_heads = True  # cfg.rope_kv_heads > 1 (config.validate; subclasses do not inherit it)
     # "auto" takes the absorbed route when n_new * absorb_ratio <= cached tokens (and absorption is cheaper in
     # FLOPs at that n_new, see prefers_absorbed); the first prefill always expands.
     absorb_ratio = 4
@@ -154,6 +179,7 @@ class MLA(Attention):
         d, h, dh, dr = cfg.d_model, cfg.n_head, cfg.head_dim, cfg.rope_head_dim
         dc, dq = cfg.kv_lora_rank, cfg.q_lora_rank
         self.n_head, self.head_dim, self.rope_head_dim = h, dh, dr
+        self.rope_kv_heads = cfg.rope_kv_heads  # n_R
         self.kv_lora_rank, self.q_lora_rank = dc, dq
         self.separate = cfg.kv_latent == "separate"
         self.scale = 1.0 / math.sqrt(dh + dr)  # Eq. 46
@@ -173,7 +199,7 @@ class MLA(Attention):
             self.wq = Linear(d, h * (dh + dr), bias=bias)
         # latent path, Eqs. 41-45
         self.build_latent(cfg)
-        self.w_kr = Linear(d, dr, bias=bias) if dr else None
+        self.w_kr = Linear(d, cfg.rope_kv_heads * dr, bias=bias) if dr else None
         self.rope = RotaryEmbedding(dr, cfg.max_seq_len, cfg.rope_theta) if dr else None
         self.build_up(cfg)
         self.make_output(h * dh)
@@ -211,13 +237,24 @@ class MLA(Attention):
             f"rope_head_dim={cfg.rope_head_dim} is larger than head_dim={cfg.head_dim}: the decoupled RoPE key "
             "is at most one head wide (DeepSeek uses d_h/2)",
         )
+        n_r = cfg.rope_kv_heads
+        require(n_r >= 1, f"rope_kv_heads must be >= 1, got {n_r}")
+        require(
+            cfg.n_head % n_r == 0,
+            f"n_head={cfg.n_head} is not divisible by rope_kv_heads={n_r}: each RoPE key serves n_head / n_R heads",
+        )
+        require(
+            n_r == 1 or cfg.rope_head_dim > 0,
+            f"rope_kv_heads={n_r} needs decoupled RoPE keys, but rope_head_dim is 0 (rope=False?)",
+        )
 
     @classmethod
     def latent_spec(cls, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         names = ("c_k", "c_v") if cfg.kv_latent == "separate" else ("c_kv",)
         spec = {n: (cfg.kv_lora_rank,) for n in names}
         if cfg.rope_head_dim:
-            spec["k_rope"] = (cfg.rope_head_dim,)
+            n_r = cfg.rope_kv_heads
+            spec["k_rope"] = (cfg.rope_head_dim,) if n_r == 1 else (n_r, cfg.rope_head_dim)
         return spec
 
     @classmethod
@@ -229,7 +266,8 @@ class MLA(Attention):
 
     @classmethod
     def tp_shards(cls, cfg):
-        # head-parallel decoding (FlashMLA) needs the whole latent on every device (mlra.md Sec. 3.4)
+        # head-parallel decoding (FlashMLA) needs the whole latent on every device (mlra.md Sec. 3.4); k_rope
+        # too, also with n_R > 1 RoPE key heads (replicated, not split by key head)
         return {name: "replicated" for name in cls.latent_spec(cfg)}
 
     @classmethod
@@ -276,7 +314,7 @@ class MLA(Attention):
     def latents(self, x: torch.Tensor, step: Step) -> dict[str, torch.Tensor]:
         """x (B, T, d) -> the compact cache entries of the new tokens, keyed as ``cache_spec()``:
         c_kv (or c_k, c_v) (B, T, d_c) = alpha_kv RMSNorm(W^D x) (Eq. 41), k_rope (B, T, d_h^R) = RoPE(W^KR x)
-        (Eq. 43)."""
+        (Eq. 43), (B, n_R, T, d_h^R) with n_R > 1 RoPE key heads."""
         out = {}
         for n in ("k", "v") if self.separate else ("kv",):
             c = getattr(self, f"w_d{n}")(x)
@@ -284,9 +322,13 @@ class MLA(Attention):
             if norm is not None:
                 c = norm(c)
             out[f"c_{n}"] = c * self.alpha_kv if self.alpha_kv != 1.0 else c
-        if self.rope_head_dim:
+        if self.rope_head_dim and self.rope_kv_heads == 1:
             k_rope = self.w_kr(x)[:, None]  # (B, 1, T, d_R)
             out["k_rope"] = apply_rope(k_rope, *self.cos_sin(step, x.dtype))[:, 0]
+        elif self.rope_head_dim:
+            B, T, _ = x.shape
+            k_rope = self.w_kr(x).view(B, T, self.rope_kv_heads, -1).transpose(1, 2)  # (B, n_R, T, d_R)
+            out["k_rope"] = apply_rope(k_rope, *self.cos_sin(step, x.dtype))
         return out
 
     def latent_kv(self, lat: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -306,8 +348,7 @@ class MLA(Attention):
         """Per-head keys [k^C_i; k^R] (B, h, S, d_h + d_h^R) (Eq. 44) and values (B, h, S, d_h)."""
         k, v = self.up_project(lat)
         if self.rope_head_dim:
-            k_rope = lat["k_rope"][:, None].expand(-1, self.n_head, -1, -1)
-            k = torch.cat([k, k_rope], dim=-1)
+            k = torch.cat([k, rope_keys_per_head(lat["k_rope"], self.n_head)], dim=-1)
         return k, v
 
     # --- absorption ----------------------------------------------------------------------------
@@ -476,8 +517,8 @@ def attend_split(
 ) -> torch.Tensor:
     """Attention with per-head keys [k^C_i; k^R] whose RoPE part k^R is one vector shared by all heads (Eq. 44).
 
-    q_nope (B, h, T, d_h), q_rope (B, h, T, d_R) or None, k_nope (B, h, S, d_h) (any strides), k_rope (B, S, d_R),
-    v (B, h, S, d_h). For decode-sized calls the shared RoPE key is never broadcast into h copies: its scores
+    q_nope (B, h, T, d_h), q_rope (B, h, T, d_R) or None, k_nope (B, h, S, d_h) (any strides), k_rope (B, S, d_R)
+    (or (B, n_R, S, d_R), shared within groups of h / n_R heads), v (B, h, S, d_h). For decode-sized calls the shared RoPE key is never broadcast into h copies: its scores
     scale q^R k^R^T come from one (B, h T, d_R) x (B, d_R, S) matmul and enter SDPA as an additive mask, while
     the d_h-wide nope part runs in SDPA's fused kernel (5x faster than concatenating K on CPU). Long prefills
     and training (where SDPA with a float mask falls back to its math kernels) concatenate instead.
@@ -487,14 +528,14 @@ def attend_split(
     B, H, T, _ = q_nope.shape
     S = k_nope.shape[2]
     if T == 1 or (B * H * T * S <= _BIAS_ELEMENTS and not torch.is_grad_enabled()):
-        bias = torch.bmm(q_rope.reshape(B, H * T, -1), k_rope.transpose(1, 2)).mul_(scale).view(B, H, T, S)
+        bias = rope_scores(q_rope, k_rope).mul_(scale).view(B, H, T, S)
         mask = step.mask
         if mask is None and step.causal and T > 1:
             mask = torch.ones(T, S, dtype=torch.bool, device=q_nope.device).tril(S - T)
         if mask is not None:
             bias = bias.masked_fill(~mask, float("-inf"))
         return F.scaled_dot_product_attention(q_nope, k_nope, v, attn_mask=bias, scale=scale)
-    k = torch.cat([k_nope, k_rope[:, None].expand(-1, H, -1, -1)], dim=-1)
+    k = torch.cat([k_nope, rope_keys_per_head(k_rope, H)], dim=-1)
     return attend_padded(torch.cat([q_nope, q_rope], dim=-1), k, v, step, scale)
 
 

@@ -36,7 +36,8 @@ def mla_query(m, x, positions):
 
 
 def mla_latents(m, x, positions):
-    """c^KV (or c^K, c^V) (B, T, d_c) (Eq. 41) and k^R (B, T, d_h^R) or None (Eq. 43)."""
+    """c^KV (or c^K, c^V) (B, T, d_c) (Eq. 41) and k^R (B, T, d_h^R) or None (Eq. 43); with n_R = rope_kv_heads
+    > 1, k^R (B, T, n_R, d_h^R), one RoPE key per group of query heads."""
     cfg = m.cfg
     alpha = math.sqrt(cfg.d_model / cfg.kv_lora_rank) if cfg.latent_scaling else 1.0
     if cfg.kv_latent == "separate":
@@ -44,7 +45,12 @@ def mla_latents(m, x, positions):
         c_v = alpha * _norm(m, "v_norm", linear(m.w_dv, x))
     else:
         c_k = c_v = alpha * _norm(m, "kv_norm", linear(m.w_dkv, x))
-    k_r = rope(linear(m.w_kr, x), positions, cfg.rope_theta) if cfg.rope_head_dim else None
+    k_r = None
+    if cfg.rope_head_dim:
+        k_r = linear(m.w_kr, x)
+        if cfg.rope_kv_heads > 1:
+            k_r = k_r.view(*x.shape[:2], cfg.rope_kv_heads, cfg.rope_head_dim)
+        k_r = rope(k_r, positions, cfg.rope_theta)
     return c_k, c_v, k_r
 
 
@@ -57,6 +63,10 @@ def mla_reference(m, x, positions):
     c_k, c_v, k_r = mla_latents(m, x, positions)
     k_c = linear(m.w_uk, c_k).view(B, T, h, dh)  # Eq. 42
     v_c = linear(m.w_uv, c_v).view(B, T, h, dh)  # Eq. 45
-    k = torch.cat([k_c, k_r[:, :, None].expand(B, T, h, dr)], dim=-1) if dr else k_c  # Eq. 44
+    if dr and cfg.rope_kv_heads > 1:  # query head i reads RoPE key i // (h / n_R)
+        k_r = k_r[:, :, [i // (h // cfg.rope_kv_heads) for i in range(h)]]
+    elif dr:
+        k_r = k_r[:, :, None].expand(B, T, h, dr)
+    k = torch.cat([k_c, k_r], dim=-1) if dr else k_c  # Eq. 44
     o = causal_attention(q, k, v_c, 1 / math.sqrt(dh + dr))  # Eq. 46
     return output(m, o, x)  # Eq. 47
