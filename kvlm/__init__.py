@@ -1,7 +1,7 @@
 """kvlm: language models with small KV caches.
 
-    from kvlm import ModelConfig, build_model
-    model = build_model(ModelConfig(attention="mla", n_layer=4, d_model=256, n_head=8))
+from kvlm import ModelConfig, build_model
+model = build_model(ModelConfig(attention="mla", n_layer=4, d_model=256, n_head=8))
 """
 
 from __future__ import annotations

@@ -186,7 +186,9 @@ class KVLM(nn.Module):
         p = self.embed.weight
         max_seq_len = max_seq_len or self.cfg.max_seq_len
         if max_seq_len > self.cfg.max_seq_len:
-            raise ValueError(f"max_seq_len={max_seq_len} exceeds the model's max_seq_len={self.cfg.max_seq_len}")
+            raise ValueError(
+                f"max_seq_len={max_seq_len} exceeds the model's max_seq_len={self.cfg.max_seq_len}"
+            )
         needs_ids = any(getattr(b.attn, "needs_token_ids", False) for b in self.layers)
         return KVCache(
             self.cache_specs(naive=naive),
@@ -229,7 +231,9 @@ def parameter_counts_of(model: KVLM) -> dict[str, int]:
     return counts
 
 
-def build_model(cfg: ModelConfig, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> KVLM:
+def build_model(
+    cfg: ModelConfig, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+) -> KVLM:
     model = KVLM(cfg) if device is None else _build_on(cfg, device)
     if dtype is not None:
         model = model.to(dtype)
