@@ -557,7 +557,7 @@ def render_report(rows: list[dict], results: list[dict], meta: dict, ctxs: list[
         loss = b(format(r["val_loss"], ".4f"), r["val_loss"] == best_loss)
         pareto = "yes" if r["pareto"] else ""
         lines.append(
-            f"| {r['label']} | {r['kv_elements_per_token']:,} | {kv} | {-100 * r['kv_reduction_vs_first_mha']:+.1f} % "
+            f"| {r['label']} | {r['kv_elements_per_token']:,} | {kv} | {-100 * r['kv_reduction_vs_first_mha'] + 0.0:+.1f} % "
             f"| {loss}{std} | {r['val_perplexity']:.2f} | {r['val_loss_delta_pct']:+.2f} % | {noise} | {pareto} |"
         )
     if n_seeds == 1:
