@@ -45,6 +45,15 @@ class Step:
     def n_new(self) -> int:
         return self.positions.shape[1]
 
+    def visible(self, T: int, S: int, device: torch.device) -> torch.Tensor | None:
+        """Which of the S keys each of the T new queries may see, (B or 1, 1, T, S) bool, or None for all:
+        the explicit mask, else causal with the new tokens last (the rule ``attend`` applies)."""
+        if self.mask is not None:
+            return self.mask
+        if self.causal and T > 1:
+            return torch.ones(T, S, dtype=torch.bool, device=device).tril(S - T)[None, None]
+        return None
+
     @staticmethod
     def build(
         token_ids: torch.Tensor,

@@ -117,9 +117,7 @@ def latent_attention(
     """
     B, H, T, Dc = q.shape
     S = c_k.shape[1]
-    mask = step.mask
-    if mask is None and step.causal and T > 1:
-        mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+    mask = step.visible(T, S, q.device)
     if q.dtype != torch.float64 and Dc == c_v.shape[-1]:
         bias = None
         if q_rope is not None:
@@ -529,9 +527,7 @@ def attend_split(
     S = k_nope.shape[2]
     if T == 1 or (B * H * T * S <= _BIAS_ELEMENTS and not torch.is_grad_enabled()):
         bias = rope_scores(q_rope, k_rope).mul_(scale).view(B, H, T, S)
-        mask = step.mask
-        if mask is None and step.causal and T > 1:
-            mask = torch.ones(T, S, dtype=torch.bool, device=q_nope.device).tril(S - T)
+        mask = step.visible(T, S, q_nope.device)
         if mask is not None:
             bias = bias.masked_fill(~mask, float("-inf"))
         return F.scaled_dot_product_attention(q_nope, k_nope, v, attn_mask=bias, scale=scale)

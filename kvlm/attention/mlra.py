@@ -43,16 +43,6 @@ from kvlm.config import ModelConfig
 ABSORB_MAX_NEW = 16
 
 
-def visible_mask(step: Step, T: int, S: int, device: torch.device) -> torch.Tensor | None:
-    """Which of the S keys each of the T new queries may see, (B or 1, 1, T, S) bool, or None for all:
-    the same rule as ``attend`` (explicit mask, else causal with the new tokens last)."""
-    if step.mask is not None:
-        return step.mask
-    if step.causal and T > 1:
-        return torch.ones(T, S, dtype=torch.bool, device=device).tril(S - T)[None, None]
-    return None
-
-
 def split_score_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -77,7 +67,7 @@ def split_score_attention(
         rope_scores = torch.matmul(q_rope.reshape(B, G * R * T, -1), k_rope.transpose(-1, -2))
         scores = scores.view(B, G, Hk // G, R, T, S) + rope_scores.view(B, G, 1, R, T, S)
     scores = scores.view(B, Hk, R, T, S).mul_(scale)
-    visible = visible_mask(step, T, S, q.device)
+    visible = step.visible(T, S, q.device)
     if visible is not None:
         scores = scores.masked_fill_(~visible[:, :, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1)

@@ -20,7 +20,7 @@ import torch
 
 from kvlm.attention import register
 from kvlm.attention.base import Attention, Linear, Step, attend, require
-from kvlm.attention.mlra import ABSORB_MAX_NEW, visible_mask
+from kvlm.attention.mlra import ABSORB_MAX_NEW
 from kvlm.attention.rope import RotaryEmbedding, apply_rope
 from kvlm.cache import CacheError
 from kvlm.config import ModelConfig
@@ -94,7 +94,7 @@ class TensorProductAttention(Attention):
         qa = qa * (self.scale / (bq * bkv))
         gq = torch.einsum("btpi,bcpts->bcits", qa, g)  # (B, beta_kv, h, T, S)
         scores = (gq * ka.transpose(-1, -2)[:, :, :, None, :]).sum(dim=1)  # (B, h, T, S)
-        visible = visible_mask(step, T, S, qa.device)
+        visible = step.visible(T, S, qa.device)
         if visible is not None:
             scores = scores.masked_fill(~visible, float("-inf"))
         probs = torch.softmax(scores, dim=-1)

@@ -3,6 +3,8 @@ the output gate and W_O."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -41,6 +43,20 @@ def output(module, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     y = x @ module.weight.T
     return y + module.bias if module.bias is not None else y
+
+
+def low_rank_query(m, x: torch.Tensor) -> torch.Tensor:
+    """q = W^UQ (alpha_q RMSNorm(W^DQ x)) with q_lora_rank > 0 (mlra.md App. C.3-C.4), else W^Q x; the
+    weights named wq_a / q_norm / wq_b / wq as in the MFA, GLA and MLRA modules."""
+    cfg = m.cfg
+    if not cfg.q_lora_rank:
+        return linear(m.wq, x)
+    c_q = linear(m.wq_a, x)
+    if cfg.latent_norm:
+        c_q = rms_norm(c_q, m.q_norm.weight, cfg.norm_eps)
+    if cfg.latent_scaling:
+        c_q = c_q * math.sqrt(cfg.d_model / cfg.q_lora_rank)
+    return linear(m.wq_b, c_q)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from kvlm.reference import register
-from kvlm.reference.common import causal_attention, linear, output, rms_norm, rope
+from kvlm.reference.common import causal_attention, linear, low_rank_query, output, rope
 
 
 @register("mfa")
@@ -13,15 +13,7 @@ def mfa_reference(m, x, positions):
     cfg = m.cfg
     B, T, _ = x.shape
     h, dh = cfg.n_head, cfg.head_dim
-    if cfg.q_lora_rank:
-        c_q = linear(m.wq_a, x)
-        if cfg.latent_norm:
-            c_q = rms_norm(c_q, m.q_norm.weight, cfg.norm_eps)
-        if cfg.latent_scaling:
-            c_q = c_q * math.sqrt(cfg.d_model / cfg.q_lora_rank)
-        q = linear(m.wq_b, c_q)
-    else:
-        q = linear(m.wq, x)
+    q = low_rank_query(m, x)
     q = q.view(B, T, h, dh)
     k = linear(m.wk, x).view(B, T, 1, dh)
     v = linear(m.wv, x).view(B, T, 1, dh)

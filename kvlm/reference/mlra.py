@@ -11,7 +11,7 @@ import math
 import torch
 
 from kvlm.reference import register
-from kvlm.reference.common import causal_attention, linear, output, rms_norm, rope
+from kvlm.reference.common import causal_attention, linear, low_rank_query, output, rms_norm, rope
 
 
 def mla_query(m, x, positions):
@@ -19,15 +19,7 @@ def mla_query(m, x, positions):
     cfg = m.cfg
     B, T, _ = x.shape
     h, dh, dr = cfg.n_head, cfg.head_dim, cfg.rope_head_dim
-    if cfg.q_lora_rank:
-        c_q = linear(m.wq_a, x)
-        if cfg.latent_norm:
-            c_q = rms_norm(c_q, m.q_norm.weight, cfg.norm_eps)
-        if cfg.latent_scaling:
-            c_q = c_q * math.sqrt(cfg.d_model / cfg.q_lora_rank)
-        q = linear(m.wq_b, c_q)
-    else:
-        q = linear(m.wq, x)
+    q = low_rank_query(m, x)
     q = q.view(B, T, h, dh + dr)
     if dr:
         q = torch.cat([q[..., :dh], rope(q[..., dh:], positions, cfg.rope_theta)], dim=-1)
