@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from kvlm.convert import (
+from kvlm.interop.convert import (
     attention_input_moments,
     convert_report,
     finetune,

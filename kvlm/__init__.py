@@ -8,17 +8,14 @@ from __future__ import annotations
 
 from kvlm.cache import CacheError, KVCache
 from kvlm.config import ConfigError, ModelConfig
-
-# eager, not lazy: the submodule kvlm.generate shares the function's name, and importing the submodule
-# anywhere (the CLI, compare) would otherwise leave `kvlm.generate` bound to the module, not the function
-from kvlm.generate import generate
+from kvlm.inference.generation import generate
 from kvlm.model import KVLM, build_model, count_parameters
 
 __version__ = "0.1.0"
 
 # transformers' AutoConfig / AutoModelForCausalLM learn model_type "kvlm" when transformers' auto modules load
-# (an import hook, stdlib only): importing kvlm never imports transformers (kvlm.hf)
-from kvlm.hf import install_auto_registration as _install_auto_registration
+# (an import hook, stdlib only): importing kvlm never imports transformers (kvlm.interop.hf)
+from kvlm.interop.hf import install_auto_registration as _install_auto_registration
 
 _install_auto_registration()
 
@@ -33,7 +30,7 @@ def presets() -> list[str]:
 def __getattr__(name: str):
     # heavier parts load on first use
     if name == "generate":
-        from kvlm.generate import generate
+        from kvlm.inference.generation import generate
 
         return generate
     if name in ("load_checkpoint", "save_checkpoint"):

@@ -100,14 +100,14 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu", dtype:
         model = model.to(dtype)
     tokenizer = None
     if (path / "tokenizer.json").is_file():
-        from kvlm.tokenizer import load_tokenizer
+        from kvlm.data.tokenizer import load_tokenizer
 
         tokenizer = load_tokenizer(path / "tokenizer.json")
     return model.eval(), tokenizer, meta
 
 
 def _tokenizer_obj(tokenizer):
-    # accept kvlm.tokenizer.Tokenizer wrappers or a raw tokenizers.Tokenizer
+    # accept kvlm.data.tokenizer.Tokenizer wrappers or a raw tokenizers.Tokenizer
     return getattr(tokenizer, "backend", tokenizer)
 
 

@@ -8,8 +8,9 @@ import pytest
 import torch
 from conftest import tiny_config
 
-from kvlm import bench, build_model, count_parameters
-from kvlm.bench import BenchError, PeakMemory, streamed_weight_bytes, summarize
+from kvlm import build_model, count_parameters
+from kvlm.bench import run as bench
+from kvlm.bench.run import BenchError, PeakMemory, streamed_weight_bytes, summarize
 
 TOY = (
     "--batch 1,2 --context 8,16 --prompt 4 --steps 2 --warmup 1 --repeats 1 "
@@ -184,7 +185,7 @@ def _model(attention, overrides):
 @pytest.mark.parametrize("attention,overrides", PEER_CASES)
 def test_peer_computes_the_same_function(attention, overrides):
     pytest.importorskip("transformers", reason="transformers not installed (pip install 'kvlm[hf]')")
-    from kvlm.peers import build_peer, max_logit_diff
+    from kvlm.bench.peers import build_peer, max_logit_diff
 
     model = _model(attention, overrides)
     peer = build_peer(model)
@@ -202,7 +203,7 @@ def test_peer_computes_the_same_function(attention, overrides):
 
 def test_peer_synthetic_cache_matches_real_cache_layout():
     pytest.importorskip("transformers", reason="transformers not installed (pip install 'kvlm[hf]')")
-    from kvlm.peers import build_peer
+    from kvlm.bench.peers import build_peer
 
     for attention in ("gqa", "mla"):
         model = _model(attention, {})
@@ -229,7 +230,7 @@ def test_peer_synthetic_cache_matches_real_cache_layout():
 )
 def test_peer_unavailable_says_why(attention, overrides, why):
     pytest.importorskip("transformers", reason="transformers not installed (pip install 'kvlm[hf]')")
-    from kvlm.peers import PeerUnavailable, build_peer
+    from kvlm.bench.peers import PeerUnavailable, build_peer
 
     with pytest.raises(PeerUnavailable, match=why):
         build_peer(build_model(tiny_config(attention, **overrides)))

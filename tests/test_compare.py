@@ -7,7 +7,7 @@ import json
 import pytest
 
 from kvlm.cli import main as cli_main
-from kvlm.compare import Budget, aggregate, compare
+from kvlm.compare.run import Budget, aggregate, compare
 
 VARIANTS_YAML = """
 base: {n_layer: 1, d_model: 32, n_head: 2, max_seq_len: 64, vocab_size: 300}
@@ -23,7 +23,7 @@ def run(tmp_path_factory):
     vf = tmp / "variants.yaml"
     vf.write_text(VARIANTS_YAML)
     data = tmp / "data"
-    from kvlm.data import prepare
+    from kvlm.data.prepare import prepare
 
     prepare("synthetic", data, vocab_size=300, max_tokens=20_000, val_tokens=4_000)
     out = tmp / "out"

@@ -10,7 +10,7 @@ import torch
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (pip install 'kvlm[hf]')")
 
-from kvlm.convert import (  # noqa: E402
+from kvlm.interop.convert import (  # noqa: E402
     ConvertError,
     attention_input_moments,
     convert_report,
@@ -215,7 +215,7 @@ def test_smollm2_imports_and_converts():
     text, and MLA conversions whose perplexity grows as the cache shrinks."""
     from pathlib import Path
 
-    from kvlm.convert import kvlm_tokenizer, load_hf_llama, smollm2_gguf, text_tokens
+    from kvlm.interop.convert import kvlm_tokenizer, load_hf_llama, smollm2_gguf, text_tokens
 
     pytest.importorskip("gguf", reason="needs gguf to read GGUF files")
     gguf = smollm2_gguf()

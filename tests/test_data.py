@@ -7,9 +7,9 @@ import sys
 import numpy as np
 import pytest
 
-from kvlm import synthetic
-from kvlm.data import DataError, TokenStream, load_prepared, prepare, token_dtype
-from kvlm.tokenizer import gpt2_tokenizer
+from kvlm.data import synthetic
+from kvlm.data.prepare import DataError, TokenStream, load_prepared, prepare, token_dtype
+from kvlm.data.tokenizer import gpt2_tokenizer
 
 SHARED = pathlib.Path(__file__).resolve().parents[1] / ".." / "shared"
 ENGLISH = SHARED / "data" / "english-mix"

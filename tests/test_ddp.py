@@ -9,8 +9,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from kvlm import ModelConfig
-from kvlm.data import prepare
-from kvlm.train import TrainConfig, train
+from kvlm.data.prepare import prepare
+from kvlm.training.train import TrainConfig, train
 
 pytestmark = pytest.mark.distributed
 

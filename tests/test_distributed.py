@@ -14,7 +14,7 @@ from kvlm import ModelConfig, build_model
 from kvlm.accounting import per_device_elements
 from kvlm.attention import get_attention_class
 from kvlm.config import ConfigError, _numel
-from kvlm.distributed import (
+from kvlm.parallel.tensor_parallel import (
     init_tp,
     require_world,
     shard_attention,
@@ -282,7 +282,7 @@ def test_generate_tp_under_torchrun(tmp_path, capsys):
 
     from kvlm.checkpoint import save_checkpoint
     from kvlm.cli import main
-    from kvlm.tokenizer import train_bpe
+    from kvlm.data.tokenizer import train_bpe
 
     tok = train_bpe(["The cat sat on the mat and looked at the moon."] * 5, vocab_size=280)
     torch.manual_seed(0)
@@ -306,7 +306,14 @@ def test_generate_tp_under_torchrun(tmp_path, capsys):
 def test_embedding_parallel_bench_under_torchrun():
     import json
 
-    common = ["-m", "kvlm.distributed", "embedding-parallel-bench", "--preset", "eg-mla", "--json"]
+    common = [
+        "-m",
+        "kvlm.parallel.tensor_parallel",
+        "embedding-parallel-bench",
+        "--preset",
+        "eg-mla",
+        "--json",
+    ]
     common += ["--set", "vocab_size=2048", "--set", "kv_emb_dim=64", "--batch", "2", "--seq", "16"]
     common += ["--steps", "2", "--warmup", "1", "--device", "cpu"]
     runs = {}

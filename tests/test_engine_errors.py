@@ -7,7 +7,7 @@ from conftest import all_variants, tiny_config
 
 from kvlm import CacheError, build_model
 from kvlm.attention import registry
-from kvlm.generate import generate
+from kvlm.inference.generation import generate
 
 
 def _model(attention="mha", **overrides):

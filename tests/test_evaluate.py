@@ -11,7 +11,7 @@ import torch
 from conftest import tiny_config
 
 from kvlm import build_model
-from kvlm.evaluate import EvalError, load_eval_tokens, perplexity, repetition_metrics
+from kvlm.inference.evaluation import EvalError, load_eval_tokens, perplexity, repetition_metrics
 
 
 def _model(dtype=torch.float64, **overrides):
@@ -106,7 +106,7 @@ def test_repetition_metrics_by_hand():
 
 
 def _tokenizer():
-    from kvlm.tokenizer import train_bpe
+    from kvlm.data.tokenizer import train_bpe
 
     return train_bpe(["the cat sat on the mat", "a dog ran in the park", "once upon a time"] * 3, 280)
 
@@ -144,7 +144,7 @@ def checkpoint(tmp_path_factory):
 
 def test_cli_eval_prepared_folder(checkpoint, capsys):
     from kvlm.checkpoint import load_checkpoint, save_checkpoint
-    from kvlm.data import prepare
+    from kvlm.data.prepare import prepare
 
     model, tok, _ = load_checkpoint(checkpoint / "ckpt")
     data = prepare(

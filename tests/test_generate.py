@@ -9,7 +9,7 @@ from conftest import all_variants, tiny_config
 
 from kvlm import CacheError, build_model
 from kvlm.attention import registry
-from kvlm.generate import TextStream, filter_logits, generate, sample
+from kvlm.inference.generation import TextStream, filter_logits, generate, sample
 
 
 def _model(attention="mha", dtype=torch.float64, scale=1.0, **overrides):
@@ -199,7 +199,7 @@ SENTENCES = [
 
 
 def _tokenizer():
-    from kvlm.tokenizer import train_bpe
+    from kvlm.data.tokenizer import train_bpe
 
     return train_bpe(SENTENCES, vocab_size=300)  # byte-level BPE, like the checkpoints' tokenizers
 
@@ -270,7 +270,7 @@ def test_public_name_is_the_function():
 
     import kvlm
 
-    importlib.import_module("kvlm.generate")  # as the CLI does: must not rebind kvlm.generate to the module
+    importlib.import_module("kvlm.inference.generation")  # as the CLI does: must not rebind kvlm.generate
     from kvlm import generate as g
 
     assert kvlm.generate is generate and g is generate

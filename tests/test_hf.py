@@ -16,9 +16,9 @@ transformers = pytest.importorskip("transformers", reason="needs transformers (p
 
 from kvlm import ModelConfig, build_model  # noqa: E402
 from kvlm.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
-from kvlm.generate import generate  # noqa: E402
-from kvlm.hf import export_hf  # noqa: E402
-from kvlm.hf_modeling import KVLMCache  # noqa: E402
+from kvlm.inference.generation import generate  # noqa: E402
+from kvlm.interop.hf import export_hf  # noqa: E402
+from kvlm.interop.hf_modeling import KVLMCache  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXTS = ["the cat sat on the mat and the dog sat on the log", "a small model with a small cache"] * 10
@@ -31,7 +31,7 @@ VARIANTS = {
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from kvlm.tokenizer import train_bpe
+    from kvlm.data.tokenizer import train_bpe
 
     return train_bpe(TEXTS, vocab_size=300)
 
@@ -61,7 +61,7 @@ def test_export_round_trip_keeps_logits(tmp_path, tokenizer, name):
         assert (out / f).is_file(), f
     assert json.loads((out / "config.json").read_text())["model_type"] == "kvlm"
     hf = AutoModelForCausalLM.from_pretrained(out)  # registered by `import kvlm`
-    assert type(hf).__name__ == "KVLMForCausalLM" and type(hf).__module__ == "kvlm.hf_modeling"
+    assert type(hf).__name__ == "KVLMForCausalLM" and type(hf).__module__ == "kvlm.interop.hf_modeling"
     tok = AutoTokenizer.from_pretrained(out)
     ids = tok(TEXTS[0]).input_ids
     assert ids == tokenizer.encode(TEXTS[0]) and tok.padding_side == "left"
@@ -107,7 +107,7 @@ def test_hf_generate_equals_kvlm_generate_on_the_compact_cache(tmp_path, tokeniz
 def test_forward_rejects_foreign_caches_and_bad_padding(tmp_path, tokenizer):
     from transformers import DynamicCache
 
-    from kvlm.hf import to_hf
+    from kvlm.interop.hf import to_hf
 
     hf = to_hf(make_checkpoint(tmp_path / "ck", tokenizer, "mla"))
     x = torch.randint(0, 100, (2, 6))
@@ -135,7 +135,7 @@ import importlib.util, sys, kvlm
 assert "transformers" not in sys.modules, "import kvlm imported transformers"
 importlib.util.find_spec("transformers.models.auto.modeling_auto")  # a look-up alone must not lose the hook
 from transformers import AutoConfig, AutoModelForCausalLM
-from kvlm.hf_modeling import KVLMConfig, KVLMForCausalLM
+from kvlm.interop.hf_modeling import KVLMConfig, KVLMForCausalLM
 assert AutoModelForCausalLM._model_mapping[KVLMConfig] is KVLMForCausalLM
 assert type(AutoConfig.for_model("kvlm")) is KVLMConfig
 """

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.skipif(not DATA.is_file(), reason=f"needs the local Win
 def checkpoint(tmp_path_factory):
     from kvlm import ModelConfig, build_model
     from kvlm.checkpoint import save_checkpoint
-    from kvlm.tokenizer import train_bpe
+    from kvlm.data.tokenizer import train_bpe
 
     docs = [json.loads(line) for line in DATA.read_text().splitlines()[:300]]
     tok = train_bpe([d["sentence"] for d in docs], vocab_size=400)
@@ -57,7 +57,7 @@ def test_local_winogrande_matches_the_definition(checkpoint):
     from lm_eval.tasks import TaskManager
 
     from kvlm.checkpoint import load_checkpoint
-    from kvlm.lm_eval_adapter import KVLMEvalLM, summarize
+    from kvlm.interop.lm_eval import KVLMEvalLM, summarize
 
     lm = KVLMEvalLM(checkpoint=str(checkpoint), batch_size=4)
     res = simple_evaluate(model=lm, tasks=["winogrande_local"], limit=LIMIT, log_samples=True,
@@ -78,7 +78,7 @@ def test_local_winogrande_matches_the_definition(checkpoint):
 
 def test_run_lm_eval_from_a_checkpoint_or_a_model(checkpoint):
     from kvlm.checkpoint import load_checkpoint
-    from kvlm.lm_eval_adapter import run_lm_eval
+    from kvlm.interop.lm_eval import run_lm_eval
 
     by_path = run_lm_eval(checkpoint, ["winogrande_local"], limit=8)
     model, tok, _ = load_checkpoint(checkpoint)
@@ -91,8 +91,8 @@ def test_run_lm_eval_from_a_checkpoint_or_a_model(checkpoint):
 
 @pytest.mark.slow  # lm_eval's CLI indexes its ~15k built-in task files first (~20 s)
 def test_lm_eval_cli_wrapper(checkpoint, tmp_path, monkeypatch, capsys):
-    """`python -m kvlm.lm_eval_adapter ...` is lm_eval's CLI with --model kvlm registered."""
-    from kvlm.lm_eval_adapter import cli
+    """`python -m kvlm.interop.lm_eval ...` is lm_eval's CLI with --model kvlm registered."""
+    from kvlm.interop.lm_eval import cli
 
     monkeypatch.chdir(tmp_path)
     cli(["--model", "kvlm", "--model_args", f"checkpoint={checkpoint}", "--tasks", "winogrande_local",

@@ -5,7 +5,7 @@ import pathlib
 
 import pytest
 
-from kvlm.tokenizer import EOS_TOKEN, TokenizerError, gpt2_tokenizer, load_tokenizer, train_bpe
+from kvlm.data.tokenizer import EOS_TOKEN, TokenizerError, gpt2_tokenizer, load_tokenizer, train_bpe
 
 GPT2_DIR = pathlib.Path(__file__).resolve().parents[1] / ".." / "shared" / "tokenizers" / "gpt2"
 

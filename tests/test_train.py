@@ -14,8 +14,8 @@ from kvlm import ModelConfig
 from kvlm.checkpoint import CheckpointError, load_checkpoint
 from kvlm.cli import main as cli
 from kvlm.config import ConfigError
-from kvlm.data import prepare
-from kvlm.train import BatchOrder, TrainConfig, lr_at, make_optimizer, train
+from kvlm.data.prepare import prepare
+from kvlm.training.train import BatchOrder, TrainConfig, lr_at, make_optimizer, train
 
 SHARED = pathlib.Path(__file__).resolve().parents[1] / ".." / "shared"
 

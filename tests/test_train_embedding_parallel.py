@@ -16,8 +16,8 @@ from kvlm import ModelConfig
 from kvlm.checkpoint import load_checkpoint
 from kvlm.cli import main as cli
 from kvlm.config import ConfigError
-from kvlm.data import prepare
-from kvlm.train import TrainConfig, train
+from kvlm.data.prepare import prepare
+from kvlm.training.train import TrainConfig, train
 
 MEMORY_FIELDS = ("peak_memory_bytes_per_rank", "parameter_bytes_per_rank", "gradient_bytes_per_rank",
                  "optimizer_bytes_per_rank")  # fmt: skip

@@ -35,8 +35,8 @@ def run(fn, world: int, out: str, *args) -> list[dict]:
     if method == "fork":  # import once here what every rank needs, rather than once per rank
         import torch._dynamo  # noqa: F401  (DistributedDataParallel imports it on first use: seconds)
 
-        import kvlm.distributed  # noqa: F401
-        import kvlm.generate  # noqa: F401
+        import kvlm.inference.generation  # noqa: F401
+        import kvlm.parallel.tensor_parallel  # noqa: F401
         from kvlm.attention import registry
 
         registry()
@@ -94,8 +94,8 @@ def tp_cases(rank, world, cases):
     """For each (attention, overrides, extra checks): sharded vs single-process logits (full forward and
     incremental decode), greedy generation (ragged prompts), and what this rank's cache holds. Extra checks:
     "modes" decodes in every attention mode, "sample" also compares seeded sampling."""
-    from kvlm.distributed import kv_elements_per_token, shard_model, tp_plan
-    from kvlm.generate import generate
+    from kvlm.inference.generation import generate
+    from kvlm.parallel.tensor_parallel import kv_elements_per_token, shard_model, tp_plan
 
     results = {}
     for attention, overrides, extra in cases:
@@ -140,7 +140,7 @@ def ep_cases(rank, world, cases):
 
     import torch.nn.functional as F
 
-    from kvlm.distributed import (
+    from kvlm.parallel.tensor_parallel import (
         GateExchange,
         ShardedGateEmbedding,
         clip_grad_norm,
@@ -234,8 +234,8 @@ def ep_cases(rank, world, cases):
 def dp_cases(rank, world, cases):
     """Data-parallel attention: rank r serves its own requests (prompts of other lengths than the other
     ranks'); its logits and greedy tokens must be those one process gets for the same requests."""
-    from kvlm.distributed import shard_model
-    from kvlm.generate import generate
+    from kvlm.inference.generation import generate
+    from kvlm.parallel.tensor_parallel import shard_model
 
     results = {}
     for attention, overrides in cases:

@@ -189,7 +189,7 @@ def import_llama(hf_model, max_seq_len: int | None = None) -> KVLM:
 
 def kvlm_tokenizer(hf_tokenizer):
     """transformers fast tokenizer -> kvlm Tokenizer (its end-of-text token is the model's eos)."""
-    from kvlm.tokenizer import Tokenizer
+    from kvlm.data.tokenizer import Tokenizer
 
     backend = getattr(hf_tokenizer, "backend_tokenizer", None) or getattr(hf_tokenizer, "_tokenizer", None)
     if backend is None:
@@ -375,7 +375,7 @@ def convert_report(src: ModelConfig, dst: ModelConfig, dtype_bytes: int = 2) -> 
 # --- perplexity on text -----------------------------------------------------------------------------------------
 def text_tokens(path: str | Path, tokenizer, n_tokens: int, seq_len: int) -> torch.Tensor:
     """The first n_tokens of a .jsonl / .txt file, as (n_tokens // seq_len, seq_len) windows."""
-    from kvlm.evaluate import load_eval_tokens
+    from kvlm.inference.evaluation import load_eval_tokens
 
     ids = torch.as_tensor(load_eval_tokens(path, tokenizer, n_tokens + seq_len))
     n = min(n_tokens, len(ids)) // seq_len

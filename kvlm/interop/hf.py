@@ -62,7 +62,7 @@ def register_config() -> None:
             return
         from transformers import AutoConfig
 
-        from kvlm.hf_config import KVLMConfig
+        from kvlm.interop.hf_config import KVLMConfig
 
         AutoConfig.register(MODEL_TYPE, KVLMConfig, exist_ok=True)
         _registered.add("config")
@@ -75,7 +75,7 @@ def register_model() -> None:
         register_config()
         from transformers import AutoModelForCausalLM
 
-        from kvlm.hf_modeling import KVLMConfig, KVLMForCausalLM
+        from kvlm.interop.hf_modeling import KVLMConfig, KVLMForCausalLM
 
         AutoModelForCausalLM.register(KVLMConfig, KVLMForCausalLM, exist_ok=True)
         _registered.add("model")
@@ -150,7 +150,7 @@ def install_auto_registration() -> None:
 # --- export ----------------------------------------------------------------------------------------------
 def to_hf(model):
     """A kvlm ``KVLM`` -> ``KVLMForCausalLM`` sharing nothing with it (weights copied)."""
-    from kvlm.hf_modeling import KVLMConfig, KVLMForCausalLM
+    from kvlm.interop.hf_modeling import KVLMConfig, KVLMForCausalLM
 
     hf = KVLMForCausalLM(KVLMConfig(kvlm_config=model.cfg.to_dict()))
     hf.model.load_state_dict(model.state_dict())
@@ -221,7 +221,7 @@ _ANY_KVLM_IMPORT = re.compile(r"^\s*(import kvlm\b|from kvlm import )", re.MULTI
 
 
 def _flat_name(module: str) -> str:
-    special = {"kvlm.hf_modeling": REMOTE_MODULE, "kvlm.hf_config": "configuration_kvlm"}
+    special = {"kvlm.interop.hf_modeling": REMOTE_MODULE, "kvlm.interop.hf_config": "configuration_kvlm"}
     return special.get(module, module.replace(".", "_"))
 
 
@@ -249,7 +249,7 @@ def remote_code_modules(attention: str) -> list[str]:
     """kvlm modules the remote code needs: hf_modeling, the mechanism's module, and what they import."""
     from kvlm.attention import get_attention_class
 
-    todo = ["kvlm.hf_modeling", get_attention_class(attention).__module__]
+    todo = ["kvlm.interop.hf_modeling", get_attention_class(attention).__module__]
     seen: list[str] = []
     while todo:
         mod = todo.pop()
@@ -281,7 +281,7 @@ def write_remote_code(folder: str | Path, attention: str) -> list[str]:
     mechanism = _flat_name(_attention_module(attention))
     for mod in modules:
         text = flatten_source(_module_file(mod).read_text(), mod)
-        if mod == "kvlm.hf_config":
+        if mod == "kvlm.interop.hf_config":
             # a static import, so that transformers copies the mechanism's file (the registry loads it by name)
             text += f"\nfrom .{mechanism} import __name__ as _kvlm_mechanism  # noqa: E402,F401\n"
         name = f"{_flat_name(mod)}.py"

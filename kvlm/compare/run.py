@@ -220,10 +220,10 @@ def run_variant(
     variant: Variant, data, budget: Budget, seed: int, out_dir: Path, contexts: list[int], log
 ) -> dict:
     """Train one variant, then measure it. Returns the result dict (also stored as result.json)."""
-    from kvlm.evaluate import perplexity, repetition_metrics
-    from kvlm.generate import generate
+    from kvlm.inference.evaluation import perplexity, repetition_metrics
+    from kvlm.inference.generation import generate
     from kvlm.model import count_parameters
-    from kvlm.train import TrainConfig, train
+    from kvlm.training.train import TrainConfig, train
 
     cfg = (
         variant.cfg.replace(vocab_size=data.vocab_size)
@@ -305,8 +305,8 @@ def default_contexts(max_seq_len: int) -> list[int]:
 
 def measure_speed(model, contexts: list[int], decode_steps: int = 16, repeats: int = 3) -> dict:
     """Prefill latency of a 128-token prompt and decode tokens/s after `context` cached tokens (batch 1,
-    the model's own "auto" routes), medians over repeats, measured with kvlm.bench's timers."""
-    from kvlm.bench import bench_decode, bench_prefill
+    the model's own "auto" routes), medians over repeats, measured with kvlm.bench.run's timers."""
+    from kvlm.bench.run import bench_decode, bench_prefill
 
     cfg = model.cfg
     prompt = min(128, cfg.max_seq_len)
@@ -657,8 +657,8 @@ def compare(
     log=print,
 ) -> dict:
     from kvlm import __version__
-    from kvlm.bench import machine_info
-    from kvlm.data import load_or_prepare
+    from kvlm.bench.run import machine_info
+    from kvlm.data.prepare import load_or_prepare
 
     budget = budget or Budget(steps=300)
     seeds = seeds or [0]

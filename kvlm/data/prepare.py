@@ -1,7 +1,7 @@
 """`kvlm prepare`: text -> tokenizer + token shards, and the handle that reads them back.
 
 Sources (one or more):
-    synthetic                 built-in generated children's stories (kvlm.synthetic; NOT real text)
+    synthetic                 built-in generated children's stories (kvlm.data.synthetic; NOT real text)
     PATH                      a .txt / .jsonl / .parquet file, or a folder of them. In a folder, files
                               named val* / valid* / validation* / dev* form the validation split and
                               test* files are left out.
@@ -36,8 +36,15 @@ from typing import Any
 
 import numpy as np
 
-from kvlm import synthetic
-from kvlm.tokenizer import EOS_TOKEN, Tokenizer, TokenizerError, describe, load_tokenizer, tokenizer_from_spec
+from kvlm.data import synthetic
+from kvlm.data.tokenizer import (
+    EOS_TOKEN,
+    Tokenizer,
+    TokenizerError,
+    describe,
+    load_tokenizer,
+    tokenizer_from_spec,
+)
 
 FORMAT = "kvlm-data"
 VERSION = 1
@@ -249,7 +256,7 @@ def resolve_source(spec: str | Path, text_field: str = "text", seed: int = 0) ->
             synthetic.LABEL,
             True,
             lambda split: synthetic.stories(seed, 0 if split == "train" else 1 << 40),
-            {"generator": "kvlm.synthetic", "seed": seed},
+            {"generator": "kvlm.data.synthetic", "seed": seed},
             finite=False,
         )
     if spec.startswith("hf:"):

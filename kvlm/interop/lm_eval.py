@@ -1,18 +1,18 @@
 """lm-evaluation-harness for kvlm models: the registered model "kvlm" and ``run_lm_eval``.
 
-The model is lm-eval's own ``HFLM`` around ``kvlm.hf_modeling.KVLMForCausalLM`` (so batching, caching and
+The model is lm-eval's own ``HFLM`` around ``kvlm.interop.hf_modeling.KVLMForCausalLM`` (so batching, caching and
 scoring are lm-eval's, and generation tasks decode with kvlm's compact cache), built from a kvlm checkpoint:
 
-    from kvlm.lm_eval_adapter import run_lm_eval
+    from kvlm.interop.lm_eval import run_lm_eval
     run_lm_eval("runs/mla/checkpoint", ["winogrande_local"], limit=40)     # -> {"winogrande_local": {"acc": ...}}
 
 lm-eval finds models in a registry filled by the modules it has imported, and its CLI imports only its own.
 Three ways to run the CLI on kvlm checkpoints:
 
-    python -m kvlm.lm_eval_adapter --model kvlm --model_args checkpoint=CKPT --tasks winogrande_local --limit 40
+    python -m kvlm.interop.lm_eval --model kvlm --model_args checkpoint=CKPT --tasks winogrande_local --limit 40
         (this module registers "kvlm", then runs lm_eval's CLI with the same arguments; kvlm's example task
         folder is added to --include_path when it exists)
-    kvlm eval CKPT --tasks winogrande_local --limit 40                     (kvlm.evaluate calls run_lm_eval)
+    kvlm eval CKPT --tasks winogrande_local --limit 40                     (kvlm.inference.evaluation calls run_lm_eval)
     kvlm export-hf CKPT OUT; lm_eval --model hf --model_args pretrained=OUT,trust_remote_code=True ...
         (plain lm_eval, no kvlm import needed: the exported folder carries its code)
 
@@ -30,9 +30,9 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
-from kvlm.hf import hf_tokenizer, to_hf
+from kvlm.interop.hf import hf_tokenizer, to_hf
 
-EXAMPLE_TASKS = Path(__file__).resolve().parents[1] / "examples" / "lm_eval_tasks"
+EXAMPLE_TASKS = Path(__file__).resolve().parents[2] / "examples" / "lm_eval_tasks"
 
 
 @register_model("kvlm")

@@ -1,5 +1,5 @@
 """`kvlm bench`: prefill and decode latency, decode tokens/s, peak memory and KV-cache bytes, measured
-side by side with the Hugging Face transformers implementation of the same model (``kvlm.peers``) and
+side by side with the Hugging Face transformers implementation of the same model (``kvlm.bench.peers``) and
 against the machine's memory-bandwidth roofline.
 
 Decoding one token reads every weight once and every cached K/V (or latent) of every layer, so its time
@@ -260,7 +260,7 @@ def machine_info(device: torch.device) -> dict[str, Any]:
                 break
     except OSError:
         pass
-    from kvlm.peers import transformers_version
+    from kvlm.bench.peers import transformers_version
 
     return {
         "cpu": cpu,
@@ -753,7 +753,7 @@ def _numel(spec: dict[str, tuple[int, ...]]) -> int:
 
 
 def _run_peer(label, model, plan: Plan, weight_bytes, hw, prefill, decode, log) -> dict:
-    from kvlm.peers import PeerUnavailable, build_peer, max_logit_diff
+    from kvlm.bench.peers import PeerUnavailable, build_peer, max_logit_diff
 
     info: dict[str, Any] = {"variant": label}
     try:
@@ -1246,7 +1246,7 @@ def main(args) -> int:
         torch.set_num_threads(args.threads)
     plan = plan_from_args(args)
     if getattr(args, "tp", 1) > 1:  # tensor-parallel decode bench across torchrun's ranks
-        from kvlm.distributed import bench_main
+        from kvlm.parallel.tensor_parallel import bench_main
 
         return bench_main(args, plan)
     log = (

@@ -7,7 +7,7 @@ Each rank reads a disjoint slice of every global batch; rank 0 writes metrics an
 
 Also here: the per-rank memory / time figures of the metrics records, and what training with EG-MLA's
 dimension-wise embedding parallelism (eg-mla.md Eqs. 9-11; TrainConfig.embedding_parallel) needs around
-kvlm.distributed's sharded gate tables: whole tables and whole optimizer moments in checkpoints (gathered
+kvlm.parallel.tensor_parallel's sharded gate tables: whole tables and whole optimizer moments in checkpoints (gathered
 to rank 0), re-sliced on resume.
 """
 
@@ -98,7 +98,7 @@ def wrap_for(model: torch.nn.Module, info: DistInfo, device: torch.device, shard
     """DDP over the model, or (embedding parallelism) over its replicated parameters only."""
     if not (info.enabled and sharded):
         return wrap(model, info, device)
-    from kvlm.distributed import wrap_ddp
+    from kvlm.parallel.tensor_parallel import wrap_ddp
 
     return wrap_ddp(model, device)
 
@@ -144,12 +144,12 @@ def gather_rows(values: list[float], info: DistInfo, device) -> list[list[float]
 
 
 # ------------------------------------------------------------------------------------------------
-# EG-MLA embedding parallelism (kvlm.distributed.shard_gate_embeddings) in training: checkpoints hold
+# EG-MLA embedding parallelism (kvlm.parallel.tensor_parallel.shard_gate_embeddings) in training: checkpoints hold
 # whole tables and whole optimizer moments, so they load unsharded and resume at any number of ranks
 # ------------------------------------------------------------------------------------------------
 def _sharded_children(model: torch.nn.Module) -> list:
     """(parent, attribute, ShardedGateEmbedding) for every sharded table slot (shared tables repeat)."""
-    from kvlm.distributed import ShardedGateEmbedding
+    from kvlm.parallel.tensor_parallel import ShardedGateEmbedding
 
     return [
         (parent, attr, child)
@@ -206,7 +206,7 @@ def _swap_in_full_tables(model: torch.nn.Module, dst: int | None) -> list:
 def full_gate_tables(model: torch.nn.Module, dst: int = 0):
     """Within the block, rank `dst`'s model holds whole gate tables (gathered from every rank's slices, a
     collective every rank enters), so it saves as an ordinary checkpoint; the other ranks only send. Unlike
-    kvlm.distributed.gather_gate_embeddings this copies nothing but the tables, and only on `dst`: a save
+    kvlm.parallel.tensor_parallel.gather_gate_embeddings this copies nothing but the tables, and only on `dst`: a save
     does not raise the other ranks' peak memory, which the metrics report."""
     swaps = _swap_in_full_tables(model, dst)
     try:

@@ -282,7 +282,7 @@ def main(args) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tp = None
     if getattr(args, "tp", 1) > 1:  # join torchrun's group; rank 0 alone prints (kvlm/distributed.py)
-        from kvlm.distributed import shard_model, tp_setup
+        from kvlm.parallel.tensor_parallel import shard_model, tp_setup
 
         tp = tp_setup(args.tp, device.type)
         device = tp.device

@@ -11,17 +11,20 @@ import sys
 # verb -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "prepare": (
-        "kvlm.data",
+        "kvlm.cli.prepare",
         "tokenize text (local files, a HF dataset, or built-in synthetic stories) into shards",
     ),
-    "train": ("kvlm.train", "train a model from a preset or YAML config"),
-    "eval": ("kvlm.evaluate", "perplexity, repetition and lm-eval tasks for a checkpoint"),
-    "generate": ("kvlm.generate", "stream text from a checkpoint"),
-    "bench": ("kvlm.bench", "prefill / decode latency, throughput, memory, against peers and the roofline"),
-    "kv-table": ("kvlm.accounting", "KV cache and parameter accounting of presets (the papers' tables)"),
-    "compare": ("kvlm.compare", "train several attention variants and report which is best at what cost"),
-    "export-hf": ("kvlm.hf", "export a checkpoint as a Hugging Face transformers folder"),
-    "import-hf": ("kvlm.convert", "import a Llama checkpoint, optionally converting it to MLA"),
+    "train": ("kvlm.cli.train", "train a model from a preset or YAML config"),
+    "eval": ("kvlm.cli.eval", "perplexity, repetition and lm-eval tasks for a checkpoint"),
+    "generate": ("kvlm.cli.generate", "stream text from a checkpoint"),
+    "bench": (
+        "kvlm.cli.bench",
+        "prefill / decode latency, throughput, memory, against peers and the roofline",
+    ),
+    "kv-table": ("kvlm.cli.kv_table", "KV cache and parameter accounting of presets (the papers' tables)"),
+    "compare": ("kvlm.cli.compare", "train several attention variants and report which is best at what cost"),
+    "export-hf": ("kvlm.cli.export_hf", "export a checkpoint as a Hugging Face transformers folder"),
+    "import-hf": ("kvlm.cli.import_hf", "import a Llama checkpoint, optionally converting it to MLA"),
 }
 
 

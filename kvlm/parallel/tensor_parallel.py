@@ -10,7 +10,7 @@ attention layer by the part one rank computes and every FFN by its Megatron slic
   and every attention mode (auto / naive / absorbed / expand) runs unchanged on the shard.
 - FFN: column-parallel W1 (and W2 of SwiGLU), row-parallel W_O, one all-reduce (Megatron style).
 - token embedding, final norm and LM head: replicated (every rank computes the same logits, bit for bit,
-  so ``kvlm.generate`` runs unchanged on every rank and samples the same tokens from the same seed).
+  so ``kvlm.inference.generation`` runs unchanged on every rank and samples the same tokens from the same seed).
 
 How each mechanism splits (as its paper deploys it; ``tp_plan`` says what a rank holds):
 MHA/MQA/GQA by KV head, GTA by group (beyond g ranks a KV head / group is replicated and its query heads
@@ -32,7 +32,7 @@ and the rest of the model stay replicated under DDP; ``wrap_ddp`` keeps DDP off 
 for a checkpoint.
 
 Commands: ``kvlm generate --tp N`` and ``kvlm bench --tp N`` under ``torchrun --nproc-per-node N -m kvlm.cli``;
-``python -m kvlm.distributed tp-bench | embedding-parallel-bench | embedding-parallel-table`` (see --help).
+``python -m kvlm.parallel.tensor_parallel tp-bench | embedding-parallel-bench | embedding-parallel-table`` (see --help).
 """
 
 from __future__ import annotations
@@ -835,7 +835,7 @@ def wrap_ddp(model: nn.Module, device: torch.device | None = None, **kw) -> nn.M
 
 # =====================================================================================================
 # Command-line helpers: `kvlm generate --tp N` / `kvlm bench --tp N` (under torchrun) and the entries of
-# `python -m kvlm.distributed` (tp-bench, embedding-parallel-bench, embedding-parallel-table)
+# `python -m kvlm.parallel.tensor_parallel` (tp-bench, embedding-parallel-bench, embedding-parallel-table)
 # =====================================================================================================
 
 
@@ -911,7 +911,7 @@ def tp_bench(
     attention="dp": data-parallel attention, each rank decoding its own `batch` requests (whole layers,
     the full per-token cache of its requests), the FFN sharded."""
     from kvlm.accounting import per_device_elements
-    from kvlm.bench import bench_decode, bench_prefill
+    from kvlm.bench.run import bench_decode, bench_prefill
     from kvlm.model import build_model
 
     rows = []
@@ -994,7 +994,7 @@ def _log_tp_rows(rows: list[dict], log) -> None:
 
 
 def bench_main(args, plan) -> int:
-    """`kvlm bench --tp N` (kvlm.bench hands its parsed plan over): every variant sharded N ways."""
+    """`kvlm bench --tp N` (kvlm.bench.run hands its parsed plan over): every variant sharded N ways."""
     ctx = tp_setup(args.tp, str(plan.device) if plan.device.type == "cpu" else None)
     if plan.device.type == "cpu" and args.threads is None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // ctx.world))
@@ -1148,7 +1148,7 @@ def embedding_parallel_table(
                 "--standalone",
                 f"--nproc-per-node={w}",
                 "-m",
-                "kvlm.distributed",
+                "kvlm.parallel.tensor_parallel",
                 "embedding-parallel-bench",
                 "--mode",
                 mode,
@@ -1208,7 +1208,9 @@ def _bench_options(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvlm.distributed", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m kvlm.parallel.tensor_parallel", description=__doc__.split("\n\n")[0]
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("tp-bench", help="tensor-parallel decode bench and per-rank KV (under torchrun)")
     p.add_argument(
@@ -1246,7 +1248,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _main(args)
     except ConfigError as e:
-        print(f"kvlm.distributed {args.command}: error: {e}", file=sys.stderr)
+        print(f"kvlm.parallel.tensor_parallel {args.command}: error: {e}", file=sys.stderr)
         return 1
     finally:
         _shutdown()

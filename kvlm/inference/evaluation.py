@@ -169,7 +169,7 @@ def sample_continuations(
 ) -> tuple[list[str], list[list[int]]]:
     """n_samples continuations, prompts taken in turn, sampled in one batch with a fixed seed; they run
     to max_new_tokens (no stop at end-of-text) so that every sample has the same length."""
-    from kvlm.generate import generate
+    from kvlm.inference.generation import generate
 
     chosen = [prompts[i % len(prompts)] for i in range(n_samples)]
     ids = [tokenizer.encode(p) or [tokenizer.eos_id] for p in chosen]
@@ -218,7 +218,7 @@ def load_eval_tokens(path: str | Path, tokenizer=None, max_tokens: int | None = 
 
 
 def _prepared_tokens(folder: Path, split: str, max_tokens: int | None, tokenizer=None):
-    from kvlm.data import load_prepared
+    from kvlm.data.prepare import load_prepared
 
     data = load_prepared(folder)
     if split not in ("train", "val"):
@@ -251,10 +251,10 @@ def default_data(meta: dict, checkpoint: str | Path | None = None) -> str | None
 
 # --- lm-evaluation-harness ------------------------------------------------------------------------------
 def run_tasks(model, tokenizer, tasks: list[str], limit: int | None = None, batch_size: int = 8) -> dict:
-    """Delegate to the lm-eval adapter (kvlm.lm_eval_adapter or kvlm.hf), loaded only when asked for."""
+    """Delegate to the lm-eval adapter (kvlm.interop.lm_eval or kvlm.interop.hf), loaded only when asked for."""
     if importlib.util.find_spec("lm_eval") is None:
         raise EvalError("--tasks needs lm-evaluation-harness: pip install 'lm-eval>=0.4.5' (or kvlm[eval])")
-    for name in ("kvlm.lm_eval_adapter", "kvlm.hf"):
+    for name in ("kvlm.interop.lm_eval", "kvlm.interop.hf"):
         try:
             mod = importlib.import_module(name)
         except ModuleNotFoundError as e:
@@ -264,7 +264,7 @@ def run_tasks(model, tokenizer, tasks: list[str], limit: int | None = None, batc
         fn = getattr(mod, "run_lm_eval", None)
         if fn is not None:
             return fn(model, tokenizer, tasks, limit=limit, batch_size=batch_size)
-    raise EvalError("--tasks: no lm-eval adapter in this build (kvlm.lm_eval_adapter.run_lm_eval)")
+    raise EvalError("--tasks: no lm-eval adapter in this build (kvlm.interop.lm_eval.run_lm_eval)")
 
 
 # --- command line ---------------------------------------------------------------------------------------

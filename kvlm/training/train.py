@@ -1,6 +1,6 @@
 """`kvlm train`: the training loop, its configuration, checkpoints, logs and exact resume.
 
-    from kvlm.train import TrainConfig, train
+    from kvlm.training.train import TrainConfig, train
     result = train(model_cfg, TrainConfig(max_steps=300), data="data/stories", out_dir="runs/mla")
 
 - AdamW (beta 0.9 / 0.95, weight decay on the >= 2-D weights: matrices and embeddings, as nanoGPT;
@@ -9,10 +9,10 @@
 - Data order is a pure function of (seed, step): each epoch is a seeded permutation of non-overlapping
   seq_len windows, so a resumed run (weights, optimizer, RNG states and step restored from the
   checkpoint) reproduces the uninterrupted run's losses exactly on CPU.
-- Data parallel under torchrun (kvlm.distributed_train): rank r takes a disjoint slice of every global
+- Data parallel under torchrun (kvlm.parallel.data_parallel): rank r takes a disjoint slice of every global
   batch; rank 0 writes metrics.jsonl, config.yaml and checkpoints.
 - embedding_parallel (EG-MLA only, eg-mla.md "Embedding Parallelism", Eqs. 9-11, Table 6): under DDP each
-  rank keeps a 1/W column slice of every gating embedding table (kvlm.distributed.shard_gate_embeddings),
+  rank keeps a 1/W column slice of every gating embedding table (kvlm.parallel.tensor_parallel.shard_gate_embeddings),
   DDP covers the replicated parameters only, gradients are clipped by the whole model's norm. The
   training is the same computation as plain DDP (same losses up to float rounding). Checkpoints hold whole
   tables and whole AdamW moments (gathered to rank 0), so they load unsharded and resume with or without
@@ -48,12 +48,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvlm import distributed_train as dt
 from kvlm.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from kvlm.config import ConfigError, ModelConfig, load_yaml_or_json
-from kvlm.data import DataError, PreparedData, TokenStream, load_prepared
-from kvlm.distributed import clip_grad_norm, shard_gate_embeddings
+from kvlm.data.prepare import DataError, PreparedData, TokenStream, load_prepared
 from kvlm.model import build_model
+from kvlm.parallel import data_parallel as dt
+from kvlm.parallel.tensor_parallel import clip_grad_norm, shard_gate_embeddings
 
 CHECKPOINT_DIR = "checkpoint"
 # fields that fix which tokens each step sees: a resumed run must keep them
@@ -1005,7 +1005,7 @@ def configs_from_args(args) -> tuple[ModelConfig, TrainConfig, bool]:
 
 
 def main(args) -> int:
-    from kvlm.data import load_or_prepare
+    from kvlm.data.prepare import load_or_prepare
 
     out = Path(args.out)
     model_cfg, tcfg, explicit_vocab = configs_from_args(args)

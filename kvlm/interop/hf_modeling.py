@@ -10,8 +10,8 @@ cache's left padding (``KVCache.set_left_padding``) and kvlm derives positions f
 accepted only without a cache (causal attention never looks right, so real tokens are unaffected).
 
 This file is also copied, with its kvlm imports made relative, into every ``kvlm export-hf`` folder as
-``modeling_kvlm.py`` (see ``kvlm.hf``), so it may import only torch, transformers and kvlm's core modules.
-Written for transformers 5 (causal LMs inherit ``GenerationMixin`` explicitly; the config, in kvlm.hf_config,
+``modeling_kvlm.py`` (see ``kvlm.interop.hf``), so it may import only torch, transformers and kvlm's core modules.
+Written for transformers 5 (causal LMs inherit ``GenerationMixin`` explicitly; the config, in kvlm.interop.hf_config,
 subclasses ``PreTrainedConfig``, ``PretrainedConfig`` on 4.x).
 """
 
@@ -24,7 +24,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from kvlm.attention.rope import RotaryEmbedding
 from kvlm.cache import CacheError, KVCache
-from kvlm.hf_config import KVLMConfig
+from kvlm.interop.hf_config import KVLMConfig
 from kvlm.model import KVLM
 
 

@@ -1,4 +1,4 @@
-"""``KVLMConfig``: the transformers configuration class of kvlm models (see kvlm.hf_modeling).
+"""``KVLMConfig``: the transformers configuration class of kvlm models (see kvlm.interop.hf_modeling).
 
 Kept apart from the model class so that registering it with ``AutoConfig`` imports only transformers'
 configuration code, not its modeling code. Copied into ``kvlm export-hf`` folders as ``configuration_kvlm.py``.
