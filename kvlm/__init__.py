@@ -1,43 +1,36 @@
 """kvlm: language models with small KV caches.
 
-from kvlm import ModelConfig, build_model
-model = build_model(ModelConfig(attention="mla", n_layer=4, d_model=256, n_head=8))
+    from kvlm import ModelConfig, build_model, generate
+    model = build_model(ModelConfig(attention="mla", n_layer=4, d_model=256, n_head=8))
+    logits = model(tokens)                                  # (B, T, vocab), full causal forward
+    ids = generate(model, prompt_ids, 20)                   # prefill + decode on the compact cache
+
+The public surface (kept stable): ``ModelConfig``, ``build_model``, ``KVLM``, ``KVCache``, ``generate``,
+``load_checkpoint`` / ``save_checkpoint``, ``count_parameters``, ``presets()``, and the errors ``ConfigError``
+and ``CacheError`` (ValueErrors). The subpackages hold the rest (see the README's layout section):
+``kvlm.attention`` (one file per mechanism, the registry), ``kvlm.cache``, ``kvlm.inference``,
+``kvlm.training``, ``kvlm.data``, ``kvlm.parallel``, ``kvlm.bench``, ``kvlm.compare``, ``kvlm.interop``
+(Hugging Face, lm-eval, conversion) and ``kvlm.cli`` (the ``kvlm`` command).
+
+Importing kvlm changes nothing outside it: no import hooks, and transformers is not imported. To load exported
+folders with transformers' Auto classes, ``import kvlm.interop.hf`` (it registers model_type "kvlm").
 """
 
 from __future__ import annotations
 
 from kvlm.cache import CacheError, KVCache
+from kvlm.checkpoint import load_checkpoint, save_checkpoint
 from kvlm.config import ConfigError, ModelConfig
 from kvlm.inference.generation import generate
 from kvlm.model import KVLM, build_model, count_parameters
+from kvlm.presets import presets as _preset_names
 
 __version__ = "0.1.0"
 
-# transformers' AutoConfig / AutoModelForCausalLM learn model_type "kvlm" when transformers' auto modules load
-# (an import hook, stdlib only): importing kvlm never imports transformers (kvlm.interop.hf)
-from kvlm.interop.hf import install_auto_registration as _install_auto_registration
-
-_install_auto_registration()
-
 
 def presets() -> list[str]:
-    """Names accepted by ModelConfig.from_preset."""
-    from kvlm.presets import presets as _presets
-
-    return _presets()
-
-
-def __getattr__(name: str):
-    # heavier parts load on first use
-    if name == "generate":
-        from kvlm.inference.generation import generate
-
-        return generate
-    if name in ("load_checkpoint", "save_checkpoint"):
-        import kvlm.checkpoint as ckpt
-
-        return getattr(ckpt, name)
-    raise AttributeError(f"module 'kvlm' has no attribute {name!r}")
+    """Names accepted by kvlm.presets.get_preset."""
+    return _preset_names()
 
 
 __all__ = [

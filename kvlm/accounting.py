@@ -1,4 +1,4 @@
-"""KV-cache and parameter accounting: ``kvlm kv-table`` and ``kv_table()``.
+"""KV-cache and parameter accounting: ``kv_table()`` (the ``kvlm kv-table`` command is kvlm.cli.kv_table).
 
 Every number comes from the code that runs: cache sizes from the mechanism's ``cache_spec``, tensor-parallel
 sharding from its ``tp_shards`` / ``tp_max_degree``, parameters from ``count_parameters`` (meta device).
@@ -10,30 +10,29 @@ whole by every device.
 
 Decode arithmetic intensity (mlra.md Table 2): FLOPs of one decode query against one cached token, over the
 bytes of that token each device loads, per device at a TP degree (FLOPs split evenly over the devices, capped at
-one head per device). The FLOPs use the fastest exact route (weight absorption for MLA / GLA / MLRA):
-
-    MHA / MQA / GQA / MFA   2 h (d_k + d_v)                     scores + values over the per-head K and V
-    GTA                     4 h d_h                             keys tied to values: d_h - d_h^R + d_h^R wide
-    TPA                     4 h beta_kv d_h + 4 h d_h           rebuild K, V from beta_kv factors, then attend
-    MLA (absorbed)          h (4 d_c + 2 d_h^R)                 scores over d_c + d_h^R, values over d_c
-    GLA / MLRA (absorbed)   units (4 d_c / blocks + 2 d_h^R)    units = h (GLA), 2h (MLRA-2), 4h (MLRA-4)
-    EG-MLA                  no absorption (LayerNorm after the gate): each step rebuilds K, V of every cached
-                            token: 2 d_c h (d_h + d_v) + 2 e h (d_h + d_v) + 2 h (d_h + d_h^R) + 2 h d_v, and
-                            also reads the token's gate row of e = kv_emb_dim elements (counted in its bytes).
+one head per device). The FLOPs are each mechanism's ``decode_flops`` (mlra.md Table 2's counts, with weight
+absorption for MLA / GLA / MLRA); the bytes are its cache tensors plus any rows its decode route gathers per
+cached token besides (``decode_cost``'s weight_elements: EG-MLA's gate-embedding row).
 
 The paper's Table 2 quotes MHA, MQA, GQA, MLA, MFA, TPA, GTA at tp = 1, GLA-2 at tp = 2 and MLRA at tp = 4.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from kvlm.config import ConfigError, ModelConfig
-from kvlm.presets import canonical_name, families, family_of, get_preset, match_ffn_dim, presets
+from kvlm.config import ConfigError, ModelConfig, spec_numel
+from kvlm.presets import (
+    canonical_name,
+    count_parameters_cached,
+    families,
+    family_of,
+    get_preset,
+    match_ffn_dim,
+    presets,
+)
 
 DTYPE_BYTES = {
     "bf16": 2,
@@ -53,26 +52,15 @@ SHARD_KINDS = ("heads", "blocks", "coefficients", "replicated")
 # --------------------------------------------------------------------------------------------------
 
 
-def _cls(cfg: ModelConfig):
-    from kvlm.attention import get_attention_class
-
-    return get_attention_class(cfg.attention)
-
-
-def _numel(shape: Sequence[int]) -> int:
-    return math.prod(shape)
-
-
 def cache_tensors(cfg: ModelConfig, layer_idx: int = 0) -> dict[str, dict[str, Any]]:
     """Each cached tensor of one layer: per-token shape, numel and how tensor parallelism splits it."""
-    cls = _cls(cfg)
-    shards = cls.tp_shards(cfg)
+    shards = cfg.mechanism().tp_shards(cfg)
     out = {}
     for name, shape in cfg.cache_spec(layer_idx).items():
         kind = shards.get(name, "replicated")
         if kind not in SHARD_KINDS:
             raise ConfigError(f"{cfg.attention}.tp_shards gives {name!r} the unknown kind {kind!r}")
-        out[name] = {"shape": list(shape), "numel": _numel(shape), "tp": kind}
+        out[name] = {"shape": list(shape), "numel": spec_numel(shape), "tp": kind}
     return out
 
 
@@ -80,7 +68,7 @@ def per_device_elements(cfg: ModelConfig, tp: int, layer_idx: int = 0) -> float:
     """Cached elements per token that the busiest of ``tp`` devices loads for one layer (mlra.md Table 1)."""
     if tp < 1:
         raise ConfigError(f"tensor-parallel degree must be >= 1, got {tp}")
-    degree = max(1, int(_cls(cfg).tp_max_degree(cfg)))
+    degree = max(1, int(cfg.mechanism().tp_max_degree(cfg)))
     shards = min(tp, degree)
     total = 0.0
     for t in cache_tensors(cfg, layer_idx).values():
@@ -92,29 +80,9 @@ def per_device_elements(cfg: ModelConfig, tp: int, layer_idx: int = 0) -> float:
 
 
 def decode_flops(cfg: ModelConfig, layer_idx: int = 0) -> float | None:
-    """FLOPs of one decode query token against one cached token in one layer, all heads (module docstring).
-    None for a mechanism this table does not know."""
-    a, h = cfg.attention, cfg.n_head
-    spec = cfg.cache_spec(layer_idx)
-    d_r = cfg.rope_head_dim
-    if a in ("mha", "mqa", "gqa", "mfa"):
-        return 2.0 * h * (spec["k"][-1] + spec["v"][-1])
-    if a == "gta":
-        return 4.0 * h * cfg.head_dim
-    if a == "tpa":
-        return 4.0 * h * cfg.tpa_kv_rank * cfg.head_dim + 4.0 * h * cfg.head_dim
-    if a == "mla":
-        d_c = cfg.kv_lora_rank
-        return h * (4.0 * d_c + 2.0 * d_r)
-    if a in ("gla-2", "gla-4", "mlra-2", "mlra-4"):
-        n_blocks, d_lat = spec["c_kv"]
-        units = _cls(cfg).spec_for(cfg, layer_idx, naive=True)["k"][0]  # (block, head) pairs
-        return units * (4.0 * d_lat + 2.0 * d_r)
-    if a == "eg-mla":
-        d_h, d_v, e = cfg.head_dim, cfg.head_dim, cfg.kv_emb_dim
-        rebuild = 2.0 * cfg.kv_lora_rank * h * (d_h + d_v) + 2.0 * e * h * (d_h + d_v)
-        return rebuild + 2.0 * h * (d_h + d_r) + 2.0 * h * d_v
-    return None
+    """FLOPs of one decode query token against one cached token in one layer, all heads: the mechanism's
+    ``decode_flops`` (None for a mechanism that does not say)."""
+    return cfg.mechanism().decode_flops(cfg, layer_idx)
 
 
 def arithmetic_intensity(
@@ -125,8 +93,8 @@ def arithmetic_intensity(
     if flops is None:
         return None
     elements = per_device_elements(cfg, tp, layer_idx)
-    if cfg.attention == "eg-mla":
-        elements += cfg.kv_emb_dim  # the cached token's gate-table row is read as well
+    # rows gathered per cached token besides the cache (eg-mla: the token's gate-embedding row)
+    elements += cfg.mechanism().decode_cost(cfg, 1, 1, "auto", layer_idx)["weight_elements"]
     return flops / min(tp, cfg.n_head) / (elements * dtype_bytes)
 
 
@@ -233,8 +201,6 @@ def kv_table(
     same-shape MHA), mla_reference / kv_reduction_vs_mla, unit_d_h (the reference MHA's d_h), tp_max_degree,
     per_device {tp: {elements_per_token, elements_per_layer, d_h}}, decode_flops_per_cached_token,
     arithmetic_intensity {tp: FLOPs/byte}, params {total, activated, gate_embedding, ...}."""
-    from kvlm.presets import _count
-
     tps = sorted({int(t) for t in tp})
     if not tps or tps[0] < 1:
         raise ConfigError(f"tensor-parallel degrees must be >= 1, got {list(tp)}")
@@ -277,7 +243,7 @@ def kv_table(
             "mla_reference": mla[0] if mla else None,
             "kv_reduction_vs_mla": (1.0 - total / mla[1].kv_cache_elements_per_token()) if mla else None,
             "unit_d_h": unit,
-            "tp_max_degree": int(_cls(cfg).tp_max_degree(cfg)),
+            "tp_max_degree": int(cfg.mechanism().tp_max_degree(cfg)),
             "per_device": {},
             "decode_flops_per_cached_token": decode_flops(cfg),
             "arithmetic_intensity": {},
@@ -292,7 +258,7 @@ def kv_table(
             }
             row["arithmetic_intensity"][t] = arithmetic_intensity(cfg, t, dtype_bytes)
         if params:
-            row["params"] = _count(cfg)
+            row["params"] = count_parameters_cached(cfg)
         rows.append(row)
     return rows
 
@@ -381,117 +347,12 @@ def format_table(rows: list[dict[str, Any]], tps: Sequence[int], dtype: str = "b
     return "\n".join(out)
 
 
-# --------------------------------------------------------------------------------------------------
-# CLI
-# --------------------------------------------------------------------------------------------------
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--preset",
-        action="append",
-        default=[],
-        help="a family (" + ", ".join(families()) + "), a name prefix (small-lm/6L-512d) or a preset name; "
-        "repeat or comma-separate for several",
-    )
-    p.add_argument(
-        "--config", action="append", default=[], help="a model config file (YAML/JSON); repeatable"
-    )
-    p.add_argument(
-        "--tp", default="1,2,4,8", help="tensor-parallel degrees, comma-separated (default 1,2,4,8)"
-    )
-    p.add_argument("--dtype", default="bf16", choices=sorted(DTYPE_BYTES), help="cache dtype (default bf16)")
-    p.add_argument(
-        "--match-ffn", action="store_true", help="match each model's FFN width to its group's MHA first"
-    )
-    p.add_argument("--no-params", action="store_true", help="skip parameter counts (faster)")
-    p.add_argument("--list", action="store_true", help="list the families and preset names, then exit")
-    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
-
-
-def _parse_tp(text: str) -> list[int]:
-    try:
-        tps = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError as e:
-        raise ConfigError(f"--tp expects comma-separated integers, got {text!r}") from e
-    if not tps or min(tps) < 1:
-        raise ConfigError(f"--tp degrees must be >= 1, got {text!r}")
-    return sorted(set(tps))
-
-
-def main(args: argparse.Namespace) -> int:
-    if args.list:
-        fams = families()
-        for fam, names in fams.items():
-            print(f"{fam} ({len(names)}): {', '.join(n.split('/', 1)[1] for n in names)}")
-        if args.json:
-            print(json.dumps({"families": fams, "presets": presets()}))
-        return 0
-    if not args.preset and not args.config:
-        raise ConfigError("kv-table needs --preset FAMILY|NAME or --config FILE (see --list)")
-    tps = _parse_tp(args.tp)
-    dtype_bytes = DTYPE_BYTES[args.dtype]
-    groups: list[tuple[str, Any]] = [(spec, _available(spec, args.match_ffn)) for spec in args.preset]
-    groups += [(path, {path: ModelConfig.load(path)}) for path in args.config]
-    all_rows, skipped = [], {}
-    for i, (title, models) in enumerate(groups):
-        if isinstance(models, tuple):
-            models, missing = models
-            skipped.update(missing)
-        rows = kv_table(models, tp=tps, dtype_bytes=dtype_bytes, params=not args.no_params) if models else []
-        all_rows += rows
-        if i:
-            print()
-        print(f"# kv-table: {title}")
-        if rows:
-            print(format_table(rows, tps, args.dtype))
-    for name, why in skipped.items():
-        print(f"skipped {name}: {why}")
-    if not all_rows:
-        raise ConfigError(
-            "no model could be tabulated: " + "; ".join(f"{n}: {w}" for n, w in skipped.items())
-        )
-    if args.json:
-        print(
-            json.dumps(
-                {
-                    "tp": tps,
-                    "dtype": args.dtype,
-                    "dtype_bytes": dtype_bytes,
-                    "rows": all_rows,
-                    "skipped": skipped,
-                }
-            )
-        )
-    return 0
-
-
-def _available(spec: str, match_ffn: bool) -> tuple[dict[str, ModelConfig], dict[str, str]]:
-    """The presets of ``spec`` that build in this installation (a mechanism may be missing), FFN-matched to
-    their group's MHA if asked; the others with the reason."""
-    out, missing = {}, {}
-    for name in select(spec):
-        try:
-            cfg = get_preset(name)
-            if match_ffn:
-                ref = _reference(name, cfg, [], "mha")
-                if ref is not None and ref[0] != name:
-                    cfg = match_ffn_dim(cfg, ref[1])
-        except ConfigError as e:
-            missing[name] = str(e)
-            continue
-        out[name] = cfg
-    return out, missing
-
-
 __all__ = [
-    "add_arguments",
     "arithmetic_intensity",
     "cache_tensors",
     "decode_flops",
     "format_table",
     "kv_table",
-    "main",
     "match_ffn_dim",
     "per_device_elements",
     "select",

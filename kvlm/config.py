@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from kvlm.errors import ConfigError
+
+if TYPE_CHECKING:
+    from kvlm.attention.base import Attention
 
 ARCHS = ("llama", "gpt2")
-
-
-class ConfigError(ValueError):
-    """An invalid model or training configuration; the message names the offending field."""
 
 
 @dataclass
@@ -28,7 +30,9 @@ class ModelConfig:
     d_model: int = 256
     n_head: int = 8
     head_dim: int | None = None  # d_h; default d_model // n_head
-    n_kv_head: int | None = None  # g for gqa / gta; mqa forces 1, mha forces n_head
+    n_kv_head: int | None = (
+        None  # g; default n_head, or the mechanism's (config_defaults: gqa / gta h/4, mqa 1)
+    )
     vocab_size: int = 4096
     max_seq_len: int = 1024
     # --- block ---------------------------------------------------------------------------
@@ -81,13 +85,8 @@ class ModelConfig:
             self.head_dim = self.d_model // self.n_head
         if self.ffn_dim is None:
             self.ffn_dim = 4 * self.d_model if self.arch == "gpt2" else _round_up(8 * self.d_model // 3, 64)
+        self.mechanism().config_defaults(self)  # e.g. n_kv_head of mqa / gqa / gta
         if self.n_kv_head is None:
-            self.n_kv_head = {"mqa": 1, "gta": max(1, self.n_head // 4), "gqa": max(1, self.n_head // 4)}.get(
-                self.attention, self.n_head
-            )
-        if self.attention == "mqa":
-            self.n_kv_head = 1
-        if self.attention == "mha":
             self.n_kv_head = self.n_head
         if self.rope_head_dim is None:
             self.rope_head_dim = self.head_dim // 2 if self.rope else 0
@@ -97,11 +96,15 @@ class ModelConfig:
             self.kv_lora_rank = 4 * self.head_dim
         self.validate()
 
-    def validate(self) -> None:
-        from kvlm.attention import registry  # late import: the registry imports this module
+    def mechanism(self) -> type[Attention]:
+        """The registered attention class of ``self.attention`` (ConfigError if none)."""
+        # imported on use: the registry's package imports kvlm.attention.base, which imports this module
+        from kvlm.attention.registry import get_attention_class
 
-        if self.attention not in registry():
-            raise ConfigError(f"unknown attention {self.attention!r}; known: {', '.join(sorted(registry()))}")
+        return get_attention_class(self.attention)
+
+    def validate(self) -> None:
+        mechanism = self.mechanism()
         if self.arch not in ARCHS:
             raise ConfigError(f"unknown arch {self.arch!r}; known: {', '.join(ARCHS)}")
         for name in ("n_layer", "d_model", "n_head", "head_dim", "vocab_size", "max_seq_len", "ffn_dim"):
@@ -123,14 +126,14 @@ class ModelConfig:
             raise ConfigError(f"q_lora_rank must be >= 0, got {self.q_lora_rank}")
         if self.rope_kv_heads < 1:
             raise ConfigError(f"rope_kv_heads must be >= 1, got {self.rope_kv_heads}")
-        # declared per class (not inherited): a subclass of MLA must opt in to several RoPE key heads itself
-        if self.rope_kv_heads != 1 and not vars(registry()[self.attention]).get("supports_rope_kv_heads"):
+        if self.rope_kv_heads != 1 and not mechanism.supports_rope_kv_heads:
+            supported = sorted(n for n, c in _registry().items() if c.supports_rope_kv_heads)
             raise ConfigError(
                 f"rope_kv_heads={self.rope_kv_heads}: attention {self.attention!r} has one shared RoPE key; "
-                "several decoupled RoPE key heads are implemented for 'mla' only"
+                f"several decoupled RoPE key heads are implemented for {', '.join(map(repr, supported))} only"
             )
         # mechanism-specific checks live with the mechanism
-        registry()[self.attention].check_config(self)
+        mechanism.check_config(self)
 
     # ------------------------------------------------------------------------------------
     def replace(self, **changes: Any) -> ModelConfig:
@@ -164,21 +167,12 @@ class ModelConfig:
         data = load_yaml_or_json(text, path)
         return cls.from_dict(data)
 
-    @classmethod
-    def from_preset(cls, name: str, **overrides: Any) -> ModelConfig:
-        from kvlm.presets import get_preset
-
-        cfg = get_preset(name)
-        return cfg.replace(**overrides) if overrides else cfg
-
     # --- accounting (derived from the mechanism's cache_spec, never a second table) -----
-    def cache_spec(self, layer_idx: int = 0) -> dict[str, tuple[int, ...]]:
-        from kvlm.attention import registry
-
-        return registry()[self.attention].spec_for(self, layer_idx)
+    def cache_spec(self, layer_idx: int = 0, naive: bool = False) -> dict[str, tuple[int, ...]]:
+        return self.mechanism().spec_for(self, layer_idx, naive)
 
     def kv_cache_elements_per_layer(self) -> list[int]:
-        return [_numel(self.cache_spec(i)) for i in range(self.n_layer)]
+        return [spec_numel(self.cache_spec(i)) for i in range(self.n_layer)]
 
     def kv_cache_elements_per_token(self) -> int:
         return sum(self.kv_cache_elements_per_layer())
@@ -187,14 +181,17 @@ class ModelConfig:
         return self.kv_cache_elements_per_token() * dtype_bytes
 
 
-def _numel(spec: dict[str, tuple[int, ...]]) -> int:
-    total = 0
-    for shape in spec.values():
-        n = 1
-        for s in shape:
-            n *= s
-        total += n
-    return total
+def spec_numel(spec: dict[str, tuple[int, ...]] | tuple[int, ...]) -> int:
+    """Elements per token of a cache spec {name: per-token shape} (summed over its tensors), or of one shape."""
+    if isinstance(spec, dict):
+        return sum(math.prod(shape) for shape in spec.values())
+    return math.prod(spec)
+
+
+def _registry() -> dict[str, type[Attention]]:
+    from kvlm.attention.registry import registry  # on use, as in ModelConfig.mechanism
+
+    return registry()
 
 
 def _round_up(x: int, m: int) -> int:

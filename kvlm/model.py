@@ -4,6 +4,12 @@ Two block styles: "llama" (pre-RMSNorm, SwiGLU FFN, RoPE inside attention; mlra.
 "gpt2" (pre-LayerNorm, GELU FFN, learned absolute positions; the nanoGPT base of eg-mla.md and
 mla-small-lm.md). Parameter and KV accounting live here too, computed from modules that exist
 (on the meta device when only counting), never from a table typed by hand.
+
+Use: ``model(tokens)`` is the full causal forward (training); ``model.new_cache(B)`` then
+``model(tokens, cache=cache)`` prefills or decodes, appending to the cache. After loading or training and
+before decoding, call ``model.prepare_for_inference()`` once: each attention builds its derived weights from
+the current parameters (the MLA family's absorbed matrices, EG-MLA's gate tables) instead of checking on every
+step whether they are stale. Call it again after changing the weights.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvlm.attention import Step, get_attention_class
+from kvlm.attention import Attention, GateEmbedding, Step, get_attention_class
 from kvlm.attention.base import Linear
 from kvlm.cache import CacheError, KVCache
 from kvlm.config import ModelConfig
@@ -44,8 +50,11 @@ class SwiGLU(nn.Module):
         self.w1 = Linear(cfg.d_model, cfg.ffn_dim, bias=cfg.bias)
         self.w2 = Linear(cfg.d_model, cfg.ffn_dim, bias=cfg.bias)
         self.wo = Linear(cfg.ffn_dim, cfg.d_model, bias=cfg.bias)
-        self.wo.is_output_projection = True
         self.dropout = nn.Dropout(cfg.dropout)
+
+    def output_projections(self) -> list[nn.Linear]:
+        """W_O, which writes into the residual stream (initialised as the attention's W_O)."""
+        return [self.wo]
 
     def forward(self, x):
         return self.dropout(self.wo(F.silu(self.w1(x)) * self.w2(x)))
@@ -56,8 +65,10 @@ class GeluMLP(nn.Module):
         super().__init__()
         self.w1 = Linear(cfg.d_model, cfg.ffn_dim, bias=cfg.bias)
         self.wo = Linear(cfg.ffn_dim, cfg.d_model, bias=cfg.bias)
-        self.wo.is_output_projection = True
         self.dropout = nn.Dropout(cfg.dropout)
+
+    def output_projections(self) -> list[nn.Linear]:
+        return [self.wo]
 
     def forward(self, x):
         return self.dropout(self.wo(F.gelu(self.w1(x), approximate="tanh")))
@@ -85,10 +96,8 @@ class KVLM(nn.Module):
         self.pos_embed = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.arch == "gpt2" else None
         self.drop = nn.Dropout(cfg.dropout)
         self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
-        attn_cls = get_attention_class(cfg.attention)
-        tie = getattr(attn_cls, "tie_layers", None)
-        if tie is not None:  # e.g. eg-mla's layer-group sharing of KV projections
-            tie([b.attn for b in self.layers])
+        # e.g. eg-mla's layer-group sharing of the gate branch (a no-op for most mechanisms)
+        get_attention_class(cfg.attention).tie_layers([b.attn for b in self.layers])
         self.norm = make_norm(cfg, cfg.d_model)
         self.lm_head = Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -101,9 +110,10 @@ class KVLM(nn.Module):
         1/sqrt(2 n_layer) (GPT-2) or zero (cfg.zero_init_out, mlra.md Sec. 4.2.1)."""
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * self.cfg.n_layer)
+        outputs = {id(m) for b in self.layers for part in (b.attn, b.mlp) for m in part.output_projections()}
         for module in self.modules():
             if isinstance(module, nn.Linear):
-                if getattr(module, "is_output_projection", False):
+                if id(module) in outputs:
                     if self.cfg.zero_init_out:
                         nn.init.zeros_(module.weight)
                     else:
@@ -114,8 +124,17 @@ class KVLM(nn.Module):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, 0.0, std)
-            elif hasattr(module, "reset_extra_parameters"):
+            elif isinstance(module, Attention):
                 module.reset_extra_parameters()
+
+    # --- inference ----------------------------------------------------------------------------
+    def prepare_for_inference(self) -> KVLM:
+        """Build every attention's derived weights (absorbed matrices, gate tables) from the current parameters,
+        once, before decoding; call again after the weights change. Returns the model."""
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.prepare_for_inference()
+        return self
 
     # --- forward ------------------------------------------------------------------------------
     def forward(
@@ -124,11 +143,13 @@ class KVLM(nn.Module):
         cache: KVCache | None = None,
         mode: str = "auto",
         last_only: bool = False,
+        trace: list[tuple[int, str]] | None = None,
     ) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, vocab) (or (B, 1, vocab) with last_only).
 
         Without a cache: the full causal forward. With a cache: the new tokens are appended (prefill or
-        decode) and attend to everything cached."""
+        decode) and attend to everything cached. trace: a list to which each attention layer appends
+        (layer_idx, route) for the route it ran (``Step.trace``)."""
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be (batch, seq), got shape {tuple(tokens.shape)}")
         B, T = tokens.shape
@@ -137,17 +158,15 @@ class KVLM(nn.Module):
         if cache is None:
             if T > self.cfg.max_seq_len:
                 raise ValueError(f"sequence of {T} tokens exceeds max_seq_len={self.cfg.max_seq_len}")
-            step = Step.build(tokens, 0, None, mode)
+            step = Step.build(tokens, 0, None, mode, trace)
         else:
             cache.check_append(B, T, self.embed.weight.dtype, tokens.device)
             if cache.length == 0:  # first use: a cache built for another model fails obscurely deep inside
                 self._check_cache_fits(cache)
             if mode == "auto" and cache.mode == "naive":
                 mode = "naive"  # a materialised K/V cache has one route
-            step = Step.build(tokens, cache.length, cache.pad, mode)
-            if cache.token_ids is not None:
-                cache.token_ids[:, step.start : step.end] = tokens
-                step.cached_token_ids = cache.token_ids[:, : step.end]
+            step = Step.build(tokens, cache.length, cache.pad, mode, trace)
+            step.cached_token_ids = cache.append_token_ids(tokens, step)
         x = self.embed(tokens)
         if self.pos_embed is not None:
             x = x + self.pos_embed(step.positions)
@@ -189,7 +208,7 @@ class KVLM(nn.Module):
             raise ValueError(
                 f"max_seq_len={max_seq_len} exceeds the model's max_seq_len={self.cfg.max_seq_len}"
             )
-        needs_ids = any(getattr(b.attn, "needs_token_ids", False) for b in self.layers)
+        needs_ids = get_attention_class(self.cfg.attention).needs_token_ids
         return KVCache(
             self.cache_specs(naive=naive),
             batch_size,
@@ -207,8 +226,9 @@ class KVLM(nn.Module):
 
 def parameter_counts_of(model: KVLM) -> dict[str, int]:
     """total: unique parameters. embedding: token (+ position) embedding. gate_embedding: eg-mla's
-    per-layer token tables, which live off the matmul path (eg-mla.md reports them apart).
+    per-layer token tables (``GateEmbedding``), which live off the matmul path (eg-mla.md reports them apart).
     activated: total - gate_embedding (what runs per token, as eg-mla.md Table 9's "Size")."""
+    gate_tables = {id(m.weight) for m in model.modules() if isinstance(m, GateEmbedding)}
     seen: set[int] = set()
     counts = {"total": 0, "embedding": 0, "gate_embedding": 0, "attention": 0, "ffn": 0}
     for name, p in model.named_parameters():
@@ -219,7 +239,7 @@ def parameter_counts_of(model: KVLM) -> dict[str, int]:
         counts["total"] += n
         if name.startswith(("embed.", "pos_embed.")) or name == "lm_head.weight":
             counts["embedding"] += n
-        elif getattr(p, "is_gate_embedding", False):
+        elif id(p) in gate_tables:
             counts["gate_embedding"] += n
             counts["attention"] += n
         elif ".attn." in name:

@@ -6,7 +6,7 @@ Families (``families()``), names as ``family/variant``:
   mlra-4), ``<v>-gated`` Tables 33-37 (gqa mla gla-2 mlra-2 mlra-4), ``<v>-2xheads`` Tables 30-32 (gqa mla
   gla-2). Llama-3 blocks, 24 layers, d = 3072, h = 24, d_h = 128, GPT-2 vocabulary padded to 50,304, tied
   embeddings, zero-initialised output projections (Sec. 4.2.1), latent scaling for MLA/GLA/MLRA (Sec. 3.3).
-  The other ablations are overrides: ``from_preset("mlra-2.9b/mla", latent_scaling=False)`` (Tables 27-29),
+  The other ablations are overrides: ``get_preset("mlra-2.9b/mla", latent_scaling=False)`` (Tables 27-29),
   ``zero_init_out=False`` (Tables 18-26).
 - ``mlra-table1/<v>``: one attention layer of mlra.md Table 1 / Sec. 3.4 (64 heads, d_h = 128, d = 7168 as
   Kimi-K2; GQA/GTA g = 8, MLA/GLA/MLRA d_c = 4 d_h, d_h^R = d_h / 2, d'_c = 1536; TPA beta = 6 / 2; MFA one
@@ -32,11 +32,11 @@ import difflib
 import functools
 import json
 import math
-import sys
-import types
 from collections.abc import Callable
+from typing import Any
 
 from kvlm.config import ConfigError, ModelConfig
+from kvlm.model import count_parameters
 
 # --------------------------------------------------------------------------------------------------
 # FFN width matching (mlra.md Sec. 4.1: "we adjust the FFN intermediate dimension to match the total
@@ -46,12 +46,11 @@ from kvlm.config import ConfigError, ModelConfig
 
 @functools.lru_cache(maxsize=512)
 def _count_cached(key: str) -> dict[str, int]:
-    from kvlm.model import count_parameters
-
     return count_parameters(ModelConfig.from_dict(json.loads(key)))
 
 
-def _count(cfg: ModelConfig) -> dict[str, int]:
+def count_parameters_cached(cfg: ModelConfig) -> dict[str, int]:
+    """``count_parameters(cfg)``, memoised by the config's fields (FFN matching counts the same models often)."""
     return dict(_count_cached(json.dumps(cfg.to_dict(), sort_keys=True)))
 
 
@@ -70,14 +69,19 @@ def match_ffn_dim(
         reference = get_preset(reference)
     if multiple <= 0:
         raise ConfigError(f"multiple must be positive, got {multiple}")
-    target = _count(reference)[key]
-    here = _count(cfg)[key]
+    target = count_parameters_cached(reference)[key]
+    here = count_parameters_cached(cfg)[key]
     # FFN parameters are affine in d_f and every layer has its own FFN, so the slope is n_layer times that
     # of a one-layer model (cheap to count even for the 2.9B presets).
     one = cfg.replace(n_layer=1, eg_group_size=1)
     a, b = multiple, 2 * multiple
     slope = (
-        (_count(one.replace(ffn_dim=b))[key] - _count(one.replace(ffn_dim=a))[key]) // (b - a) * cfg.n_layer
+        (
+            count_parameters_cached(one.replace(ffn_dim=b))[key]
+            - count_parameters_cached(one.replace(ffn_dim=a))[key]
+        )
+        // (b - a)
+        * cfg.n_layer
     )
     if slope <= 0:
         raise ConfigError("the FFN has no parameters to adjust")
@@ -395,7 +399,7 @@ _LOWER = {n.lower(): n for n in [*_BUILDERS, *_ALIASES]}
 
 
 def presets() -> list[str]:
-    """Every name ModelConfig.from_preset accepts (canonical names, then short aliases)."""
+    """Every name ``get_preset`` accepts (canonical names, then short aliases)."""
     return [*_BUILDERS, *_ALIASES]
 
 
@@ -415,10 +419,11 @@ def canonical_name(name: str) -> str:
     return _ALIASES.get(key, key)
 
 
-def get_preset(name: str) -> ModelConfig:
-    """A fresh ModelConfig for a preset name (see the module docstring for the families)."""
-    name = canonical_name(name)
-    return _BUILDERS[name][1]()
+def get_preset(name: str, **overrides: Any) -> ModelConfig:
+    """A fresh ModelConfig for a preset name (see the module docstring for the families), with ``overrides``
+    applied as ``ModelConfig.replace`` applies them."""
+    cfg = _BUILDERS[canonical_name(name)][1]()
+    return cfg.replace(**overrides) if overrides else cfg
 
 
 def family_of(name: str) -> str:
@@ -436,15 +441,12 @@ def _unknown_message(name: str) -> str:
     return f"unknown preset {name!r}{hint} (families: {fams}; see kvlm.presets())"
 
 
-__all__ = ["canonical_name", "families", "family_of", "get_preset", "match_ffn_dim", "presets"]
-
-
-class _CallableModule(types.ModuleType):
-    """Importing kvlm.presets rebinds the attribute ``kvlm.presets`` from the function in kvlm/__init__.py
-    to this module; making the module callable keeps ``kvlm.presets()`` working either way."""
-
-    def __call__(self) -> list[str]:
-        return presets()
-
-
-sys.modules[__name__].__class__ = _CallableModule
+__all__ = [
+    "canonical_name",
+    "count_parameters_cached",
+    "families",
+    "family_of",
+    "get_preset",
+    "match_ffn_dim",
+    "presets",
+]

@@ -1,4 +1,6 @@
+import contextlib
 import importlib
+import os
 import pathlib
 import sys
 
@@ -7,6 +9,9 @@ import torch
 
 TESTS = pathlib.Path(__file__).parent
 sys.path.insert(0, str(TESTS))
+# ../shared beside the repository: data/english-mix, tokenizers/gpt2, eval/winogrande-bb (not in git)
+SHARED = TESTS.resolve().parent.parent / "shared"
+REQUIRE_SHARED_ENV = "KVLM_REQUIRE_SHARED"
 
 # One thread per test process: the suite runs under xdist (-n 2) on 2 cores, and oversubscribed OpenMP
 # threads stall each other at barriers (a matmul of 8 rows went from 0.7 ms to 24 ms in a measurement).
@@ -20,6 +25,43 @@ def tiny_config(attention="mha", **overrides):
     base = dict(attention=attention, n_layer=2, d_model=64, n_head=4, vocab_size=97, max_seq_len=64)
     base.update(overrides)
     return ModelConfig(**base)
+
+
+def shared_path(*parts: str) -> pathlib.Path:
+    """The path ../shared/<parts> for a test that reads the shared data, tokenizers or eval sets.
+
+    One rule for every such test: when the path is absent the test is skipped with the path in the reason,
+    unless KVLM_REQUIRE_SHARED=1 is set (CI with the shared folder mounted), where absence is a failure."""
+    path = SHARED.joinpath(*parts)
+    if not path.exists():
+        message = f"needs {path} (the shared folder ../shared beside the repository)"
+        if os.environ.get(REQUIRE_SHARED_ENV, "") not in ("", "0"):
+            pytest.fail(f"{message}; {REQUIRE_SHARED_ENV} is set, so its absence is an error", pytrace=False)
+        pytest.skip(f"{message}; set {REQUIRE_SHARED_ENV}=1 to make this a failure")
+    return path
+
+
+def decode_route_keys(model) -> list[str]:
+    """The keys of the model's ``decode_routes``: the modes it accepts and states such as EG-MLA-A's "table"."""
+    return list(type(model.layers[0].attn).decode_routes(model.cfg))
+
+
+@contextlib.contextmanager
+def decode_route(model, key: str):
+    """Run the route listed under `key` in ``decode_routes``: yields the Step mode to pass. Every key is a mode
+    except EG-MLA's "table", a state of the model (the precomputed gate tables, looked up in mode "auto")."""
+    from kvlm.attention import MODES
+    from kvlm.attention.eg_mla import precompute_gate_tables
+
+    if key != "table":
+        assert key in MODES, f"decode_routes lists {key!r}, which is not a Step mode"
+        yield key
+        return
+    assert precompute_gate_tables(model) > 0
+    try:
+        yield "auto"
+    finally:
+        precompute_gate_tables(model, enable=False)
 
 
 def all_variants():

@@ -7,14 +7,13 @@ import pytest
 
 from kvlm import ConfigError, ModelConfig
 from kvlm.accounting import (
-    add_arguments,
     arithmetic_intensity,
     cache_tensors,
     kv_table,
-    main,
     per_device_elements,
     select,
 )
+from kvlm.cli.kv_table import add_arguments, main
 from kvlm.presets import families, get_preset
 
 # --- eg-mla.md Appendix F, Table 10: KV cache / token (#element) -----------------------------------------

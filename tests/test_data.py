@@ -1,19 +1,14 @@
 """kvlm prepare: sources, splits, shards, metadata, round trips and clear errors."""
 
 import json
-import pathlib
 import sys
 
 import numpy as np
 import pytest
+from conftest import shared_path
 
-from kvlm.data import synthetic
-from kvlm.data.prepare import DataError, TokenStream, load_prepared, prepare, token_dtype
+from kvlm.data import DataError, TokenStream, load_prepared, prepare, synthetic, token_dtype
 from kvlm.data.tokenizer import gpt2_tokenizer
-
-SHARED = pathlib.Path(__file__).resolve().parents[1] / ".." / "shared"
-ENGLISH = SHARED / "data" / "english-mix"
-GPT2_DIR = SHARED / "tokenizers" / "gpt2"
 
 
 def documents(stream: TokenStream, tok) -> list[str]:
@@ -110,14 +105,15 @@ def test_single_document_validation_from_the_tail(tmp_path):
 
 
 def test_gpt2_tokenizer_on_real_text_with_caps(tmp_path):
-    data = prepare(ENGLISH, tmp_path / "out", tokenizer=GPT2_DIR, max_tokens=3_000, val_tokens=700)
+    english, gpt2_dir = shared_path("data", "english-mix"), shared_path("tokenizers", "gpt2")
+    data = prepare(english, tmp_path / "out", tokenizer=gpt2_dir, max_tokens=3_000, val_tokens=700)
     assert (len(data.train), len(data.val)) == (3_000, 700)
     assert data.vocab_size == 50257 and data.meta["dtype"] == "uint16"
-    first = json.loads((ENGLISH / "train.jsonl").open().readline())["text"]
-    tok = gpt2_tokenizer(GPT2_DIR)
+    first = json.loads((english / "train.jsonl").open().readline())["text"]
+    tok = gpt2_tokenizer(gpt2_dir)
     ids = tok.encode(first)
     assert len(ids) < 3_000 and data.train[: len(ids) + 1].tolist() == ids + [50256]
-    first_val = json.loads((ENGLISH / "val.jsonl").open().readline())["text"]
+    first_val = json.loads((english / "val.jsonl").open().readline())["text"]
     assert data.val[:700].tolist() == tok.encode(first_val)[:700]
 
 
@@ -160,12 +156,20 @@ def test_missing_and_empty_sources(tmp_path):
         prepare(tmp_path / "blank.jsonl", tmp_path / "out")
     (tmp_path / "blank.txt").write_text("   \n")
     with pytest.raises(DataError, match="empty data"):
-        prepare(tmp_path / "blank.txt", tmp_path / "out", tokenizer=GPT2_DIR)
+        prepare(tmp_path / "blank.txt", tmp_path / "out", vocab_size=300)
     write_jsonl(tmp_path / "ok.jsonl", ["fine"])
     (tmp_path / "ok.jsonl").open("a").write('{"body": "no text field"}\n')
     with pytest.raises(DataError, match=r"ok.jsonl:2: no 'text' field"):
         prepare(tmp_path / "ok.jsonl", tmp_path / "out")
     assert not (tmp_path / "out").exists()  # nothing half-written is left behind
+    assert not list(tmp_path.glob(".out.tmp-*"))
+
+
+def test_empty_source_with_gpt2_tokenizer(tmp_path):
+    (tmp_path / "blank.txt").write_text("   \n")
+    with pytest.raises(DataError, match="empty data"):
+        prepare(tmp_path / "blank.txt", tmp_path / "out", tokenizer=shared_path("tokenizers", "gpt2"))
+    assert not (tmp_path / "out").exists()
     assert not list(tmp_path.glob(".out.tmp-*"))
 
 

@@ -1,4 +1,4 @@
-"""Tensor-parallel decoding and EG-MLA embedding parallelism (kvlm/distributed.py).
+"""Tensor-parallel decoding and EG-MLA embedding parallelism (kvlm/parallel/).
 
 Multi-process tests run real torch.distributed groups (gloo, one thread per rank) of 2 and 4 ranks; each
 world is started once and checks every mechanism, so a failure message lists every case that failed.
@@ -10,17 +10,18 @@ import torch
 from conftest import tiny_config
 from dist_scripts import workers
 
-from kvlm import ModelConfig, build_model
+from kvlm import build_model
 from kvlm.accounting import per_device_elements
 from kvlm.attention import get_attention_class
-from kvlm.config import ConfigError, _numel
-from kvlm.parallel.tensor_parallel import (
-    init_tp,
+from kvlm.config import ConfigError, spec_numel
+from kvlm.parallel import (
+    init_distributed,
     require_world,
     shard_attention,
     shard_gate_embeddings,
     shard_model,
 )
+from kvlm.presets import get_preset
 
 # mlra.md Table 1: KV cache loaded per token per device, in units of d_h, at 1 / 2 / 4 / 8 devices.
 # Typed from the paper (Qwen3-32B / Kimi-K2 shapes: 64 heads, d_h = 128, g = 8, d_c = 4 d_h, d_h^R = d_h / 2).
@@ -41,11 +42,11 @@ D_H = 128
 
 @pytest.mark.parametrize("row", sorted(TABLE1))
 def test_per_rank_cache_is_mlra_table1(row):
-    cfg = ModelConfig.from_preset(f"mlra-table1/{row}")
+    cfg = get_preset(f"mlra-table1/{row}")
     with torch.device("meta"):
         attn = get_attention_class(cfg.attention)(cfg, 0)
     for world, paper in zip((1, 2, 4, 8), TABLE1[row]):
-        per_rank = [_numel(shard_attention(attn, rank, world)[0].cache_spec()) for rank in range(world)]
+        per_rank = [spec_numel(shard_attention(attn, rank, world)[0].cache_spec()) for rank in range(world)]
         assert {n / D_H for n in per_rank} == {paper}, (row, world, per_rank)
         assert max(per_rank) == per_device_elements(cfg, world), (row, world)  # kvlm kv-table --tp
 
@@ -237,7 +238,7 @@ def test_shard_errors_name_the_problem():
 def test_tp_degree_must_match_the_launch(monkeypatch):
     for var in ("RANK", "WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)
-    ctx = init_tp(device="cpu")
+    ctx = init_distributed("cpu")
     assert (ctx.rank, ctx.world) == (0, 1)
     require_world(1, ctx)
     with pytest.raises(ConfigError, match="torchrun --nproc-per-node 2"):
@@ -308,7 +309,8 @@ def test_embedding_parallel_bench_under_torchrun():
 
     common = [
         "-m",
-        "kvlm.parallel.tensor_parallel",
+        "kvlm.cli",
+        "bench-parallel",
         "embedding-parallel-bench",
         "--preset",
         "eg-mla",

@@ -10,7 +10,7 @@ from conftest import tiny_config
 from kvlm import ConfigError, build_model, count_parameters
 from kvlm.attention import Step
 from kvlm.attention.eg_mla import EGMLA, precompute_gate_tables
-from kvlm.cache import CacheError
+from kvlm.cache import CacheError, ContiguousLayer
 
 
 def _model(dtype=torch.float64, **overrides):
@@ -51,6 +51,8 @@ def test_gate_table_route_equals_rebuild_and_full(overrides):
 
 
 def test_gate_table_is_used_and_refreshed():
+    """The table is built once and looked up; prepare_for_inference rebuilds it from changed weights; the trace
+    names the route ("gate table" against "rebuild")."""
     model = _model()
     attn = model.layers[0].attn
     calls = []
@@ -59,13 +61,20 @@ def test_gate_table_is_used_and_refreshed():
     with torch.no_grad():
         attn.precompute_gate_table()
         assert calls == [model.cfg.vocab_size]  # one pass over the whole vocabulary
-        _decode(model, tokens, "auto")
+        trace = []
+        cache = model.new_cache(1, 8)
+        model(tokens, cache=cache, trace=trace)
         assert calls == [model.cfg.vocab_size]  # decode only looks up
-        attn.emb_gate.kv_emb.weight.mul_(2.0)  # stale table must not be used
+        assert trace[0] == (0, "gate table") and trace[1] == (1, "rebuild")  # layer 1's table is off
+        attn.emb_gate.kv_emb.weight.mul_(2.0)  # the weights change: the table is rebuilt on request
+        model.prepare_for_inference()
+        assert len(calls) == 2
         out = _decode(model, tokens, "auto")
         assert len(calls) == 2
         assert (out - model(tokens)).abs().max() < 1e-10
         assert attn.precompute_gate_table(False) == 0 and attn.gate_table_nbytes == 0
+        model.prepare_for_inference()  # a disabled table stays off
+        assert len(calls) == 2 and attn.gate_table_nbytes == 0
 
 
 def test_table_not_used_while_training():
@@ -81,7 +90,7 @@ def test_layer_groups_share_gate_parameters_and_activations():
     attns = [b.attn for b in model.layers]
     assert attns[0].emb_gate is attns[1].emb_gate and attns[2].emb_gate is attns[3].emb_gate
     assert attns[1].emb_gate is not attns[2].emb_gate
-    assert attns[0].w_ukv is not attns[1].w_ukv  # only the gate branch is shared
+    assert attns[0].wkv_b is not attns[1].wkv_b  # only the gate branch is shared
     calls = []
     for a in (attns[0], attns[2]):
         a.emb_gate.w_ue.register_forward_hook(lambda m, i, o: calls.append(1))
@@ -141,11 +150,16 @@ def test_absorbed_mode_runs_rebuild_with_a_warning():
     model = _model()
     assert not EGMLA.supports_absorption
     with pytest.raises(NotImplementedError, match="LayerNorm"):
-        model.layers[0].attn.absorbed_weights()
+        model.layers[0].attn.forward_absorbed(None, None, None, None)
     tokens = torch.randint(0, model.cfg.vocab_size, (1, 8))
     EGMLA._warned_absorbed = False
+    trace = []
     with pytest.warns(UserWarning, match="no absorbed route"):
-        absorbed = _decode(model, tokens, "absorbed")
+        cache = model.new_cache(1, 8)
+        absorbed = torch.cat([model(tokens[:, :5], cache=cache, mode="absorbed", trace=trace)] + [
+            model(tokens[:, t : t + 1], cache=cache, mode="absorbed", trace=trace) for t in range(5, 8)
+        ], 1)
+    assert {r for _, r in trace} == {"rebuild"}
     assert (absorbed - model(tokens)).abs().max() < 1e-10
 
 
@@ -157,10 +171,7 @@ def test_missing_token_ids_are_a_clear_error():
     step.token_ids = None
     with pytest.raises(ValueError, match="token_ids"):
         attn(x, step)
-    cache = {
-        "c_kv": torch.zeros(1, 4, 32, dtype=torch.float64),
-        "k_rope": torch.zeros(1, 4, 8, dtype=torch.float64),
-    }
+    cache = ContiguousLayer(attn.cache_spec(), 1, 4, torch.float64, naive=False)  # without token ids
     with pytest.raises(CacheError, match="token ids"):
         attn(x, Step.build(torch.zeros(1, 3, dtype=torch.long)), cache)
 

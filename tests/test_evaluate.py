@@ -144,7 +144,7 @@ def checkpoint(tmp_path_factory):
 
 def test_cli_eval_prepared_folder(checkpoint, capsys):
     from kvlm.checkpoint import load_checkpoint, save_checkpoint
-    from kvlm.data.prepare import prepare
+    from kvlm.data import prepare
 
     model, tok, _ = load_checkpoint(checkpoint / "ckpt")
     data = prepare(

@@ -9,7 +9,8 @@ from conftest import all_variants, tiny_config
 
 from kvlm import CacheError, build_model
 from kvlm.attention import registry
-from kvlm.inference.generation import TextStream, filter_logits, generate, sample
+from kvlm.inference.generation import TextStream, generate
+from kvlm.inference.sampling import filter_logits, sample
 
 
 def _model(attention="mha", dtype=torch.float64, scale=1.0, **overrides):

@@ -60,7 +60,7 @@ def test_export_round_trip_keeps_logits(tmp_path, tokenizer, name):
     ):
         assert (out / f).is_file(), f
     assert json.loads((out / "config.json").read_text())["model_type"] == "kvlm"
-    hf = AutoModelForCausalLM.from_pretrained(out)  # registered by `import kvlm`
+    hf = AutoModelForCausalLM.from_pretrained(out)  # registered by `import kvlm.interop.hf`
     assert type(hf).__name__ == "KVLMForCausalLM" and type(hf).__module__ == "kvlm.interop.hf_modeling"
     tok = AutoTokenizer.from_pretrained(out)
     ids = tok(TEXTS[0]).input_ids
@@ -90,7 +90,10 @@ def test_hf_generate_equals_kvlm_generate_on_the_compact_cache(tmp_path, tokeniz
     assert batch.attention_mask[0, 0] == 0  # left-padded
     out = hf.generate(**batch, max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
     new = out.sequences[:, batch.input_ids.shape[1] :].tolist()
-    ref = generate(model, [tokenizer.encode(p) for p in prompts], 12)
+    # both stop a sequence at end-of-text: transformers pads after it, kvlm leaves it out
+    eos = tokenizer.eos_id
+    new = [seq[: seq.index(eos)] if eos in seq else seq for seq in new]
+    ref = generate(model, [tokenizer.encode(p) for p in prompts], 12, stop_tokens=[eos])
     assert new == ref
     assert len({t for seq in ref for t in seq}) > 3  # not a degenerate repeat of one token
     cache = out.past_key_values
@@ -129,22 +132,70 @@ def test_forward_rejects_foreign_caches_and_bad_padding(tmp_path, tokenizer):
     assert torch.allclose(out.loss, ref)
 
 
-def test_import_kvlm_does_not_import_transformers_yet_registers_with_it():
+def test_import_kvlm_installs_no_hook_and_interop_hf_registers():
+    """`import kvlm` changes nothing outside kvlm (no import hook, no transformers); `import kvlm.interop.hf`
+    registers "kvlm" with the Auto classes; the modeling module alone (also the exported remote code) does
+    not register anything."""
     code = """
-import importlib.util, sys, kvlm
+import sys
+finders = list(sys.meta_path)
+import kvlm
+assert sys.meta_path == finders, "import kvlm changed sys.meta_path"
 assert "transformers" not in sys.modules, "import kvlm imported transformers"
-importlib.util.find_spec("transformers.models.auto.modeling_auto")  # a look-up alone must not lose the hook
 from transformers import AutoConfig, AutoModelForCausalLM
 from kvlm.interop.hf_modeling import KVLMConfig, KVLMForCausalLM
+assert KVLMConfig not in AutoModelForCausalLM._model_mapping, "hf_modeling registered on import"
+import kvlm.interop.hf
 assert AutoModelForCausalLM._model_mapping[KVLMConfig] is KVLMForCausalLM
 assert type(AutoConfig.for_model("kvlm")) is KVLMConfig
+assert not [f for f in sys.meta_path if type(f).__module__.startswith("kvlm")], sys.meta_path
 """
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
 
 
-def test_trust_remote_code_loads_without_kvlm(tmp_path, tokenizer):
-    """The exported folder carries kvlm's source: a process where `import kvlm` fails loads it."""
-    model = make_checkpoint(tmp_path / "ck", tokenizer, "mla")
+def test_remote_code_rewrites_only_kvlm_import_statements():
+    from kvlm.interop.remote_code import RemoteCodeError, rewrite_imports
+
+    source = '''"""from kvlm.config import ModelConfig (in a docstring: unchanged)"""
+
+from __future__ import annotations
+
+import torch
+from kvlm.config import (
+    ModelConfig,
+    ConfigError as CE,
+)
+from ..cache import KVCache
+
+
+def f():
+    from kvlm.model import KVLM  # a comment after the import stays
+
+    return "kvlm.config", KVLM
+'''
+    out, deps = rewrite_imports("kvlm.interop.example", source)
+    assert sorted(deps) == ["kvlm.cache", "kvlm.config", "kvlm.model"]
+    assert out == source.replace(
+        "from kvlm.config import (\n    ModelConfig,\n    ConfigError as CE,\n)",
+        "from .kvlm_config import ModelConfig, ConfigError as CE",
+    ).replace("from ..cache import KVCache", "from .kvlm_cache import KVCache").replace(
+        "    from kvlm.model import KVLM  #", "    from .kvlm_model import KVLM  #"
+    )
+    for bad in (
+        "import kvlm.config\n",  # a dotted module name the flat folder does not have
+        "from kvlm import ModelConfig\n",  # the package's __init__ (all of kvlm)
+        "from kvlm.attention import mla\n",  # a module object
+        "x = 1; from kvlm.config import ModelConfig\n",  # transformers would not copy the file
+    ):
+        with pytest.raises(RemoteCodeError):
+            rewrite_imports("kvlm.interop.example", bad)
+
+
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_trust_remote_code_loads_without_kvlm(tmp_path, tokenizer, name):
+    """The exported folder carries kvlm's source: a process where `import kvlm` fails loads it (the config
+    alone first: it must register the mechanism it names)."""
+    model = make_checkpoint(tmp_path / "ck", tokenizer, name)
     export_hf(tmp_path / "ck", tmp_path / "hf")
     ids = tokenizer.encode(TEXTS[1])[:12]
     with torch.no_grad():
@@ -155,7 +206,9 @@ def test_trust_remote_code_loads_without_kvlm(tmp_path, tokenizer):
 import sys
 sys.modules["kvlm"] = None  # kvlm is not installed here
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
+config = AutoConfig.from_pretrained({str(tmp_path / "hf")!r}, trust_remote_code=True)
+assert config.model_config().attention == {name!r}, config
 hf = AutoModelForCausalLM.from_pretrained({str(tmp_path / "hf")!r}, trust_remote_code=True)
 assert type(hf).__module__.startswith("transformers_modules."), type(hf).__module__
 ref = torch.load({str(tmp_path / "ref.pt")!r})

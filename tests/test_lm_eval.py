@@ -7,25 +7,29 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import shared_path
 
 pytest.importorskip("lm_eval", reason="needs lm-evaluation-harness (pip install 'kvlm[eval]')")
 pytest.importorskip("transformers", reason="needs transformers (pip install 'kvlm[hf]')")
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "eval" / "winogrande-bb" / "test.jsonl"
 TASKS = ROOT / "examples" / "lm_eval_tasks"
 LIMIT = 16
 
-pytestmark = pytest.mark.skipif(not DATA.is_file(), reason=f"needs the local WinoGrande file {DATA}")
+
+@pytest.fixture(scope="module")
+def winogrande() -> Path:
+    """The local WinoGrande file the winogrande_local task reads (every test here needs it)."""
+    return shared_path("eval", "winogrande-bb", "test.jsonl")
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
+def checkpoint(tmp_path_factory, winogrande):
     from kvlm import ModelConfig, build_model
     from kvlm.checkpoint import save_checkpoint
     from kvlm.data.tokenizer import train_bpe
 
-    docs = [json.loads(line) for line in DATA.read_text().splitlines()[:300]]
+    docs = [json.loads(line) for line in winogrande.read_text().splitlines()[:300]]
     tok = train_bpe([d["sentence"] for d in docs], vocab_size=400)
     torch.manual_seed(0)
     cfg = ModelConfig(attention="mla", n_layer=2, d_model=64, n_head=4, kv_lora_rank=32, rope_head_dim=8,
@@ -52,7 +56,7 @@ def reference_logliks(model, tok, doc) -> list[float]:
     return out
 
 
-def test_local_winogrande_matches_the_definition(checkpoint):
+def test_local_winogrande_matches_the_definition(checkpoint, winogrande):
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
@@ -63,7 +67,7 @@ def test_local_winogrande_matches_the_definition(checkpoint):
     res = simple_evaluate(model=lm, tasks=["winogrande_local"], limit=LIMIT, log_samples=True,
                           task_manager=TaskManager(include_path=[str(TASKS)], include_defaults=False))  # fmt: skip
     model, tok, _ = load_checkpoint(checkpoint)
-    docs = [json.loads(line) for line in DATA.read_text().splitlines()[:LIMIT]]
+    docs = [json.loads(line) for line in winogrande.read_text().splitlines()[:LIMIT]]
     samples = res["samples"]["winogrande_local"]
     assert len(samples) == LIMIT
     correct = 0

@@ -1,5 +1,6 @@
 """MLA beyond the generic contract: the three decode routes agree with each other and really differ in what they
-do, absorbed weights are cached and refreshed, parameter and cache counts equal the papers' formulas."""
+do, absorbed weights are built once by prepare_for_inference, parameter and cache counts equal the papers'
+formulas, checkpoints in the pre-DeepSeek names load."""
 
 import math
 
@@ -9,8 +10,9 @@ from conftest import tiny_config
 
 from kvlm import ConfigError, build_model
 from kvlm.attention import Step
-from kvlm.attention.mla import MLA, latent_attention
-from kvlm.cache import CacheError
+from kvlm.attention.latent_ops import latent_attention
+from kvlm.attention.mla import MLA
+from kvlm.cache import CacheError, ContiguousLayer
 
 
 def _model(dtype=torch.float64, **overrides):
@@ -23,10 +25,12 @@ def _model(dtype=torch.float64, **overrides):
     return model
 
 
-def _decode(model, tokens, mode, prefill=6):
+def _decode(model, tokens, mode, prefill=6, trace=None):
     cache = model.new_cache(tokens.shape[0], tokens.shape[1], naive=(mode == "naive"))
-    out = [model(tokens[:, :prefill], cache=cache, mode=mode)]
-    out += [model(tokens[:, t : t + 1], cache=cache, mode=mode) for t in range(prefill, tokens.shape[1])]
+    out = [model(tokens[:, :prefill], cache=cache, mode=mode, trace=trace)]
+    out += [
+        model(tokens[:, t : t + 1], cache=cache, mode=mode, trace=trace) for t in range(prefill, tokens.shape[1])
+    ]
     return torch.cat(out, 1)
 
 
@@ -53,20 +57,30 @@ def test_absorbed_equals_naive_equals_expand(overrides, fold):
 
 
 def test_routes_do_what_they_say():
-    """absorbed never up-projects the cache with W^UK / W^UV; expand does, over every cached token."""
+    """absorbed never up-projects the cache with W^UK / W^UV (wkv_b); expand does, over every cached token; the
+    trace names the route each layer ran."""
     model = _model()
     attn = model.layers[0].attn
     rows = []
-    attn.w_uk.register_forward_hook(lambda m, i, o: rows.append(i[0].shape[1]))
+    attn.wkv_b.register_forward_hook(lambda m, i, o: rows.append(i[0].shape[1]))
     tokens = torch.randint(0, model.cfg.vocab_size, (1, 10))
     with torch.no_grad():
-        _decode(model, tokens, "absorbed")
+        trace = []
+        _decode(model, tokens, "absorbed", trace=trace)
         assert rows == []
+        assert trace == [(i, "absorbed") for _ in range(5) for i in range(model.cfg.n_layer)]
         _decode(model, tokens, "expand")
         assert rows == [6, 7, 8, 9, 10]  # the whole cache each step
         rows.clear()
-        _decode(model, tokens, "auto", prefill=2)  # prefill expands; decode absorbs once 4 T <= cached
+        trace = []
+        _decode(model, tokens, "auto", prefill=2, trace=trace)  # prefill expands; decode absorbs once 4 T <= cached
         assert rows == [2, 3]
+        assert [r for i, r in trace if i == 0] == ["expand", "expand"] + ["absorbed"] * 7
+        rows.clear()
+        trace = []
+        _decode(model, tokens, "naive", trace=trace)
+        assert rows == [6, 1, 1, 1, 1]  # the new tokens only, into the materialised cache
+        assert {r for _, r in trace} == {"materialised"}
 
 
 def test_auto_prefers_absorbed_for_decode_only():
@@ -77,25 +91,32 @@ def test_auto_prefers_absorbed_for_decode_only():
     assert not attn.prefers_absorbed(1, 3)
 
 
-def test_absorbed_weights_cached_and_refreshed():
+def test_absorbed_weights_prepared_once_and_rebuilt_on_request():
+    """prepare_for_inference builds the absorbed weights once; without it they are built on the fly (uncached);
+    after the weights change, preparing again refreshes them; training mode or a cast drops them."""
     model = _model()
     attn = model.layers[1].attn
     tokens = torch.randint(0, model.cfg.vocab_size, (2, 9))
     with torch.no_grad():
+        assert attn.absorbed_weights() is not attn.absorbed_weights()  # not prepared: nothing kept
+        assert model.prepare_for_inference() is model
         first = attn.absorbed_weights()
-        assert attn.absorbed_weights() is first  # not rebuilt while nothing changed
+        assert attn.absorbed_weights() is first  # not rebuilt while prepared
         cache = model.new_cache(2, 9)
         model(tokens[:, :8], cache=cache, mode="absorbed")
         assert attn.absorbed_weights() is first
-        attn.w_uk.weight.mul_(1.5)  # an in-place update, as an optimizer step does
-        attn.w_uv.weight.add_(0.01)
+        attn.wkv_b.weight.mul_(1.5)  # an in-place update, as an optimizer step does
+        model.prepare_for_inference()
         assert attn.absorbed_weights() is not first
-        assert torch.equal(attn.absorbed_weights().w_uk, attn.w_uk.weight.view(4, 16, -1))
+        w_uk = attn.wkv_b.weight.view(4, 2, 16, -1)[:, 0]  # (h, d_h, d_c): W^UK rows of each head
+        assert torch.equal(attn.absorbed_weights().w_uk, w_uk)
         step_abs = model(tokens[:, 8:], cache=cache, mode="absorbed")
         full = model(tokens)[:, 8:]
         assert (step_abs - full).abs().max() < 1e-10
-        model.to(torch.float32)  # new storage and dtype
+        model.to(torch.float32)  # new storage and dtype: the float64 weights are dropped
         assert attn.absorbed_weights().w_uk.dtype == torch.float32
+        model.prepare_for_inference().train()
+        assert attn.absorbed_weights() is not attn.absorbed_weights()
 
 
 def test_absorbed_route_is_differentiable():
@@ -108,7 +129,7 @@ def test_absorbed_route_is_differentiable():
         with torch.no_grad():
             model(tokens[:, :6], cache=cache, mode=mode)
         model(tokens[:, 6:], cache=cache, mode=mode).sum().backward()
-        grads[mode] = model.layers[1].attn.w_uk.weight.grad.clone()
+        grads[mode] = model.layers[1].attn.wkv_b.weight.grad.clone()
     assert grads["absorbed"].abs().sum() > 0
     assert torch.allclose(grads["absorbed"], grads["expand"], atol=1e-10)
 
@@ -145,7 +166,7 @@ def test_latent_attention_fused_float32_matches_float64_math(masked):
 def test_attend_split_rope_bias_equals_concatenated_keys(pad, n_r, monkeypatch):
     """Decode-sized calls add the shared RoPE key's scores as a mask; longer ones concatenate K: same result.
     n_r = 2: two RoPE keys, heads 0-1 read the first, heads 2-3 the second."""
-    import kvlm.attention.mla as mla_mod
+    import kvlm.attention.latent_ops as mla_mod
 
     B, H, T, S, dh, dr = 3, 4, 3, 11, 16, 8
     q, qr = torch.randn(B, H, T, dh, dtype=torch.float64), torch.randn(B, H, T, dr, dtype=torch.float64)
@@ -167,6 +188,31 @@ def test_attend_split_rope_bias_equals_concatenated_keys(pad, n_r, monkeypatch):
         cat_route = mla_mod.attend_split(q, qr, k, kr, v, step, 0.3)
     assert (bias_route - ref).abs().max() < 1e-12
     assert (cat_route - ref).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("q_lora_rank", [0, 24])
+def test_parameters_carry_deepseek_names_and_layouts(q_lora_rank):
+    """DeepSeek-V3's names and fused layouts (kvlm/attention/latent.py): wq or wq_a / q_norm / wq_b, wkv_a =
+    [W^DKV; W^KR], kv_norm, wkv_b with each head's [W^UK_i; W^UV_i], wo."""
+    cfg = tiny_config("mla", q_lora_rank=q_lora_rank, bias=True)
+    d, h, dh, dr, dc = cfg.d_model, cfg.n_head, cfg.head_dim, cfg.rope_head_dim, cfg.kv_lora_rank
+    shapes = {n: tuple(p.shape) for n, p in MLA(cfg, 0).named_parameters()}
+    query = (
+        {"wq_a.weight": (24, d), "wq_a.bias": (24,), "q_norm.weight": (24,), "wq_b.weight": (h * (dh + dr), 24)}
+        if q_lora_rank
+        else {"wq.weight": (h * (dh + dr), d)}
+    )
+    query.update({"wq_b.bias": (h * (dh + dr),)} if q_lora_rank else {"wq.bias": (h * (dh + dr),)})
+    assert shapes == {
+        **query,
+        "wkv_a.weight": (dc + dr, d),
+        "wkv_a.bias": (dc + dr,),
+        "kv_norm.weight": (dc,),
+        "wkv_b.weight": (h * 2 * dh, dc),
+        "wkv_b.bias": (h * 2 * dh,),
+        "wo.weight": (d, h * dh),
+        "wo.bias": (d,),
+    }
 
 
 def _paper_params(d, h, dh, dr, dc, dq, n_r=1):
@@ -277,9 +323,6 @@ def test_mode_and_cache_mismatch_is_a_clear_error():
     with pytest.raises(CacheError, match="compact cache"):
         model(tokens, cache=model.new_cache(1, 8, naive=True), mode="absorbed")
     attn, x = model.layers[0].attn, torch.randn(1, 4, model.cfg.d_model, dtype=torch.float64)
-    naive = {
-        n: torch.zeros(1, *s[:-1], 8, s[-1], dtype=torch.float64)
-        for n, s in attn.cache_spec(naive=True).items()
-    }
+    naive = ContiguousLayer(attn.cache_spec(naive=True), 1, 8, torch.float64, naive=True)
     out = attn(x, Step.build(tokens), naive)  # "auto" on a naive cache takes the naive route
     assert (out - attn(x, Step.build(tokens))).abs().max() < 1e-12

@@ -56,6 +56,31 @@ def test_decode_modes_agree_on_long_cache(attention):
     assert (logits["expand"] - logits["naive"]).abs().max().item() < 1e-10
 
 
+@pytest.mark.parametrize("attention", LATENT)
+def test_routes_do_what_they_say(attention):
+    """absorbed never up-projects the cached latent (wkv_b is not called, K/V never materialised); expand does,
+    over every cached token; "auto" expands the prefill and absorbs the decode steps; the trace says so."""
+    model, attn = _attn(attention)
+    rows = []
+    attn.wkv_b.register_forward_hook(lambda m, i, o: rows.append(i[0].shape[2]))  # (B, blocks, S, d_lat)
+    tokens = torch.randint(0, 97, (1, 10))
+    for mode, want_rows, want_routes in [
+        ("absorbed", [], ["absorbed"] * 5),
+        ("expand", [6, 7, 8, 9, 10], ["expand"] * 5),
+        ("auto", [6], ["expand"] + ["absorbed"] * 4),
+        ("naive", [6, 1, 1, 1, 1], ["materialised"] * 5),
+    ]:
+        rows.clear()
+        trace = []
+        cache = model.new_cache(1, 10, naive=(mode == "naive"))
+        with torch.no_grad():
+            model(tokens[:, :6], cache=cache, mode=mode, trace=trace)
+            for t in range(6, 10):
+                model(tokens[:, t : t + 1], cache=cache, mode=mode, trace=trace)
+        assert rows == want_rows, mode
+        assert [r for i, r in trace if i == 0] == want_routes, mode
+
+
 def test_mode_and_cache_mismatch_is_a_clear_error():
     from kvlm import CacheError
 
@@ -78,10 +103,11 @@ def test_gla2_is_mla_with_group_restricted_up_projections():
     W_UK = torch.zeros(dc, h * dh, dtype=torch.float64)  # MLA's d_c x h d_h up-projections
     W_UV = torch.zeros(dc, h * dh, dtype=torch.float64)
     r, d_lat = h // 2, dc // 2
+    w_uk, w_uv = m.up_weights()  # (blocks, r, d_h, d_lat): W^UK_(b),i^T and W^UV_(b),i^T
     for i in range(h):
         g, j = divmod(i, r)
-        W_UK[g * d_lat : (g + 1) * d_lat, i * dh : (i + 1) * dh] = m.w_uk[g, j].T
-        W_UV[g * d_lat : (g + 1) * d_lat, i * dh : (i + 1) * dh] = m.w_uv[g, j]
+        W_UK[g * d_lat : (g + 1) * d_lat, i * dh : (i + 1) * dh] = w_uk[g, j].T
+        W_UV[g * d_lat : (g + 1) * d_lat, i * dh : (i + 1) * dh] = w_uv[g, j].T
     q = (x @ m.wq.weight.T).view(B, T, h, dh + dr)
     q = torch.cat([q[..., :dh], rope(q[..., dh:], positions, cfg.rope_theta)], -1)
     kv = x @ m.wkv_a.weight.T
@@ -102,13 +128,14 @@ def test_mlra2_is_mlra4_with_off_group_branches_silenced():
     h = m2.cfg.n_head
     with torch.no_grad():
         for name, p in m2.named_parameters():
-            if name not in ("w_uk", "w_uv"):
+            if name != "wkv_b.weight":
                 m4.get_parameter(name).copy_(p)
-        m4.w_uv.zero_()  # w_uk stays random: a silenced branch contributes nothing whatever its scores
+        (uk2, uv2), (uk4, uv4) = m2.up_weights(), m4.up_weights()  # views of wkv_b
+        uv4.zero_()  # W^UK stays random: a silenced branch contributes nothing whatever its scores
         for b in range(4):
             heads = slice((b // 2) * (h // 2), (b // 2 + 1) * (h // 2))
-            m4.w_uk[b, heads] = m2.w_uk[b]
-            m4.w_uv[b, heads] = m2.w_uv[b]
+            uk4[b, heads] = uk2[b]
+            uv4[b, heads] = uv2[b]
     x = torch.randn(2, 8, 64, dtype=torch.float64)
     step = Step.build(torch.zeros(2, 8, dtype=torch.long))
     assert (m2(x, step) - m4(x, step)).abs().max().item() < 1e-12
@@ -120,13 +147,14 @@ def test_first_token_is_the_scaled_sum_of_block_values(attention, alpha_attn):
     softmax, Eq. 10's alpha_attn): an independent check of the branch sum and its scale."""
     _, m = _attn(attention, attn_out_scaling=True)
     x = torch.randn(3, 1, 64, dtype=torch.float64)
-    c, _ = m.latent(x, m.rope.cos_sin(torch.zeros(3, 1, dtype=torch.long), x.dtype))  # (3, 4, 1, d_lat)
+    c = m.latents(x, m.rope.cos_sin(torch.zeros(3, 1, dtype=torch.long), x.dtype))["c_kv"]  # (3, 4, 1, d_lat)
+    w_uv = m.up_weights()[1]  # (4, r, d_h, d_lat): W^UV_(b),i^T
     h, bpg = m.cfg.n_head, 4 if attention == "mlra-4" else 2
     heads = []
     for i in range(h):
         blocks = range(4) if bpg == 4 else (2 * (i // (h // 2)), 2 * (i // (h // 2)) + 1)
         j = i if bpg == 4 else i % (h // 2)
-        heads.append(alpha_attn * sum(c[:, b, 0] @ m.w_uv[b, j] for b in blocks))
+        heads.append(alpha_attn * sum(c[:, b, 0] @ w_uv[b, j].T for b in blocks))
     expected = torch.cat(heads, -1) @ m.wo.weight.T
     out = m(x, Step.build(torch.zeros(3, 1, dtype=torch.long)))[:, 0]
     assert (out - expected).abs().max().item() < 1e-12

@@ -45,7 +45,7 @@ def test_names_and_families():
 
 
 def test_from_preset_overrides_aliases_and_case():
-    cfg = ModelConfig.from_preset("mlra-2.9b/mla", latent_scaling=False)
+    cfg = get_preset("mlra-2.9b/mla", latent_scaling=False)
     assert cfg.attention == "mla" and not cfg.latent_scaling and cfg.ffn_dim == 9448
     assert get_preset("MLRA-2.9B/MLA").to_dict() == get_preset("mlra-2.9b/mla").to_dict()
     assert get_preset("small-lm/6L-256d").to_dict() == get_preset("small-lm/6L-256d/mha").to_dict()
@@ -59,7 +59,7 @@ def test_unknown_preset_suggests_close_names():
         get_preset("mlra-2.9b/mlra4")
     assert "families" in str(e.value)
     with pytest.raises(ValueError, match="unknown preset"):
-        ModelConfig.from_preset("nope")
+        get_preset("nope")
 
 
 @pytest.mark.parametrize("variant", list(MLRA_29B))

@@ -2,22 +2,20 @@
 
 import json
 import math
-import pathlib
 import shutil
 import time
 
 import numpy as np
 import pytest
 import torch
+from conftest import shared_path
 
 from kvlm import ModelConfig
 from kvlm.checkpoint import CheckpointError, load_checkpoint
 from kvlm.cli import main as cli
 from kvlm.config import ConfigError
-from kvlm.data.prepare import prepare
-from kvlm.training.train import BatchOrder, TrainConfig, lr_at, make_optimizer, train
-
-SHARED = pathlib.Path(__file__).resolve().parents[1] / ".." / "shared"
+from kvlm.data import prepare
+from kvlm.training import BatchOrder, TrainConfig, lr_at, make_optimizer, train
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +36,9 @@ def quick(**kw):
 
 def test_loss_falls_on_real_text():
     data = prepare(
-        SHARED / "data" / "english-mix",
+        shared_path("data", "english-mix"),
         None,
-        tokenizer=SHARED / "tokenizers" / "gpt2",
+        tokenizer=shared_path("tokenizers", "gpt2"),
         max_tokens=50_000,
         val_tokens=2_048,
     )
@@ -49,7 +47,7 @@ def test_loss_falls_on_real_text():
     )
     tcfg = TrainConfig(batch_size=4, seq_len=32, max_steps=20, lr=1e-2, warmup_steps=2, eval_interval=20,
                        eval_iters=4, eval_at_start=True)  # fmt: skip
-    res = train(cfg, tcfg, data, progress=False, log=None)
+    res = train(cfg, tcfg, data, progress=False)
     (s0, v0), (s1, v1) = res.val_losses
     assert (s0, s1) == (0, 20)
     assert abs(v0 - math.log(50257)) < 0.3  # the untrained model is near uniform
@@ -61,7 +59,7 @@ def test_loss_falls_on_real_text():
 def test_resume_reproduces_the_uninterrupted_run_exactly(stories, tmp_path):
     cfg = tiny(stories, dropout=0.1)  # dropout: the restored RNG state matters
     tcfg = quick(max_steps=10, grad_accum=2, checkpoint_interval=4)
-    full = train(cfg, tcfg, stories, tmp_path / "full", progress=False, log=None)
+    full = train(cfg, tcfg, stories, tmp_path / "full", progress=False)
 
     class Crash(Exception):
         pass
@@ -71,9 +69,9 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(stories, tmp_path):
             raise Crash
 
     with pytest.raises(Crash):
-        train(cfg, tcfg, stories, tmp_path / "cut", progress=False, log=None, callback=crash_at_7)
+        train(cfg, tcfg, stories, tmp_path / "cut", progress=False, callback=crash_at_7)
     assert json.loads((tmp_path / "cut" / "checkpoint" / "meta.json").read_text())["step"] == 4
-    resumed = train(cfg, tcfg, stories, tmp_path / "cut", resume=True, progress=False, log=None)
+    resumed = train(cfg, tcfg, stories, tmp_path / "cut", resume=True, progress=False)
 
     assert resumed.losses == full.losses  # exact, not approximate
     assert resumed.val_losses == full.val_losses
@@ -88,7 +86,7 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(stories, tmp_path):
 
 
 def test_saved_run_folder(stories, tmp_path):
-    res = train(tiny(stories), quick(max_steps=4), stories, tmp_path / "run", progress=False, log=None)
+    res = train(tiny(stories), quick(max_steps=4), stories, tmp_path / "run", progress=False)
     model, tok, meta = load_checkpoint(res.checkpoint)
     assert tok.sha256() == stories.tokenizer.sha256()
     assert meta["step"] == 4 and meta["data"]["source"] == "synthetic-stories (generated, not real text)"
@@ -103,10 +101,10 @@ def test_saved_run_folder(stories, tmp_path):
 
 
 def test_token_and_time_budgets(stories):
-    res = train(tiny(stories), quick(max_steps=None, max_tokens=200), stories, progress=False, log=None)
+    res = train(tiny(stories), quick(max_steps=None, max_tokens=200), stories, progress=False)
     assert res.steps == 4 and res.tokens == 256  # ceil(200 / (4 x 16)) steps
     t0 = time.perf_counter()
-    res = train(tiny(stories), quick(max_steps=None, max_minutes=0.005), stories, progress=False, log=None)
+    res = train(tiny(stories), quick(max_steps=None, max_minutes=0.005), stories, progress=False)
     assert res.steps >= 1 and time.perf_counter() - t0 < 30
     assert res.final_val_loss is not None and res.val_losses[-1][0] == res.steps  # evaluated at the end
 
@@ -152,13 +150,13 @@ def test_batch_order_is_a_seeded_permutation(stories):
 
 def test_vocabulary_and_length_mismatch(stories):
     with pytest.raises(ConfigError, match="vocabulary mismatch"):
-        train(tiny(stories, vocab_size=stories.vocab_size - 1), quick(), stories, progress=False, log=None)
+        train(tiny(stories, vocab_size=stories.vocab_size - 1), quick(), stories, progress=False)
     res = train(
-        tiny(stories, vocab_size=64), quick(max_steps=1), stories, progress=False, log=None, adapt_vocab=True
+        tiny(stories, vocab_size=64), quick(max_steps=1), stories, progress=False, adapt_vocab=True
     )
     assert res.model_config["vocab_size"] == stories.vocab_size
     with pytest.raises(ConfigError, match="max_seq_len"):
-        train(tiny(stories), quick(seq_len=64), stories, progress=False, log=None)
+        train(tiny(stories), quick(seq_len=64), stories, progress=False)
     with pytest.raises(ConfigError, match="budget"):
         TrainConfig(max_steps=None)
     with pytest.raises(ConfigError, match="grad_accum"):
@@ -167,7 +165,7 @@ def test_vocabulary_and_length_mismatch(stories):
 
 def test_corrupt_or_partial_checkpoint(stories, tmp_path):
     cfg, tcfg = tiny(stories), quick(max_steps=2)
-    train(cfg, tcfg, stories, tmp_path / "run", progress=False, log=None)
+    train(cfg, tcfg, stories, tmp_path / "run", progress=False)
     good = tmp_path / "run" / "checkpoint"
 
     def broken(name, damage):
@@ -189,11 +187,11 @@ def test_corrupt_or_partial_checkpoint(stories, tmp_path):
     for name, (damage, message) in cases.items():
         run = broken(name, damage)
         with pytest.raises(CheckpointError, match=message):
-            train(cfg, tcfg.replace(max_steps=3), stories, run, resume=True, progress=False, log=None)
+            train(cfg, tcfg.replace(max_steps=3), stories, run, resume=True, progress=False)
     with pytest.raises(CheckpointError, match="nothing to resume"):
-        train(cfg, tcfg, stories, tmp_path / "empty", resume=True, progress=False, log=None)
+        train(cfg, tcfg, stories, tmp_path / "empty", resume=True, progress=False)
     with pytest.raises(ConfigError, match="data order"):
-        train(cfg, tcfg.replace(seed=1), stories, tmp_path / "run", resume=True, progress=False, log=None)
+        train(cfg, tcfg.replace(seed=1), stories, tmp_path / "run", resume=True, progress=False)
     assert good.is_dir()
 
 

@@ -2,7 +2,9 @@
 Eqs. 9-11): two gloo ranks train exactly as plain DDP and as one process with the same global batch, write
 ordinary (unsharded) checkpoints with whole optimizer moments, resume, and hold less per rank."""
 
+import contextlib
 import datetime
+import logging
 import math
 import pathlib
 import shutil
@@ -16,8 +18,26 @@ from kvlm import ModelConfig
 from kvlm.checkpoint import load_checkpoint
 from kvlm.cli import main as cli
 from kvlm.config import ConfigError
-from kvlm.data.prepare import prepare
-from kvlm.training.train import TrainConfig, train
+from kvlm.data import prepare
+from kvlm.training import TrainConfig, train
+
+
+@contextlib.contextmanager
+def kvlm_log_lines():
+    """The messages logged to the ``kvlm`` loggers meanwhile (INFO and up), whatever handlers the CLI set."""
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("kvlm")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
 
 MEMORY_FIELDS = ("peak_memory_bytes_per_rank", "parameter_bytes_per_rank", "gradient_bytes_per_rank",
                  "optimizer_bytes_per_rank")  # fmt: skip
@@ -60,13 +80,13 @@ def _worker(rank, world, init_file, data_dir, tmp, cfg, tcfg):
 
     try:
         runs = {
-            "vanilla": train(cfg, tcfg, data_dir, tmp / "vanilla", progress=False, log=None),
-            "ep": train(cfg, ep_cfg, data_dir, tmp / "ep", progress=False, log=None, callback=keep_step_2),
+            "vanilla": train(cfg, tcfg, data_dir, tmp / "vanilla", progress=False),
+            "ep": train(cfg, ep_cfg, data_dir, tmp / "ep", progress=False, callback=keep_step_2),
         }
         dist.barrier()
         for name, c in (("resumed-ep", ep_cfg), ("resumed-vanilla", tcfg)):
             runs[name] = train(
-                None, c, data_dir, tmp / name, resume=tmp / "ep-step2", progress=False, log=None
+                None, c, data_dir, tmp / name, resume=tmp / "ep-step2", progress=False
             )
         if rank == 0:
             out = {
@@ -90,7 +110,7 @@ def test_two_ranks_embedding_parallel_match_ddp_and_one_process(data, tmp_path):
     import torch._dynamo  # noqa: F401  (DDP imports it on first use: import it once, before forking)
 
     cfg, tcfg = tiny(data), quick()
-    single = train(cfg, tcfg, data, tmp_path / "single", progress=False, log=None)
+    single = train(cfg, tcfg, data, tmp_path / "single", progress=False)
     # two ranks, two micro-batches each (no_sync on the first): the global batch is still 8
     mp.start_processes(
         _worker,
@@ -157,9 +177,9 @@ def test_two_ranks_embedding_parallel_match_ddp_and_one_process(data, tmp_path):
 
 def test_one_process_is_a_no_op_and_other_attentions_are_refused(data, tmp_path, capsys):
     cfg, tcfg = tiny(data), quick(max_steps=2, eval_interval=2)
-    plain = train(cfg, tcfg, data, progress=False, log=None)
-    lines = []
-    ep = train(cfg, tcfg.replace(embedding_parallel=True), data, progress=False, log=lines.append)
+    plain = train(cfg, tcfg, data, progress=False)
+    with kvlm_log_lines() as lines:
+        ep = train(cfg, tcfg.replace(embedding_parallel=True), data, progress=False)
     assert ep.losses == plain.losses
     assert any("one process, nothing to shard" in ln for ln in lines)
     assert (
@@ -173,7 +193,6 @@ def test_one_process_is_a_no_op_and_other_attentions_are_refused(data, tmp_path,
             tcfg.replace(embedding_parallel=True),
             data,
             progress=False,
-            log=None,
         )
     with pytest.raises(ConfigError, match="embedding_parallel does not support compile"):
         tcfg.replace(embedding_parallel=True, compile=True)

@@ -1,45 +1,39 @@
-"""The attention registry: name -> class. One file per mechanism; each registers itself here."""
+"""Attention mechanisms: one file per mechanism, each a subclass of ``Attention`` registered by name.
+
+Symbols (papers' notation, ../shared/papers): d = d_model, h = n_head, d_h = head_dim, g = n_kv_head,
+d_c = kv_lora_rank, d'_c = q_lora_rank, d_h^R = rope_head_dim.
+
+- ``Attention`` (base.py): the contract every mechanism fulfils and everything about it that the rest of kvlm
+  reads: its cache (``cache_spec``), its decode routes (``decode_routes``; ``forward`` records the one it took
+  in ``Step.trace``), their cost (``decode_flops``, ``decode_cost``), its tensor-parallel split
+  (``tp_shards``, ``tp_max_degree``), its config defaults and validation, capability flags and model hooks.
+- ``Step`` (step.py): where one call's new tokens sit (positions, cache slots, mask, mode, trace), shared by
+  all layers; ``attend``: the GQA-style SDPA call most routes end in.
+- ``register`` / ``registry`` / ``get_attention_class`` (registry.py): name -> class. Every module of this
+  package is imported on first use, so a new mechanism is a new file; code outside kvlm registers a subclass
+  of ``Attention`` the same way and it works with every verb.
+- rope.py: rotary embeddings. The mechanisms: mha.py (MHA, MQA, GQA), gta.py (GTA), mfa.py (MFA), tpa.py
+  (TPA), mla.py (MLA), eg_mla.py (EG-MLA), mlra.py (GLA-2/4, MLRA-2/4).
+
+Two decode routes recur (vLLM's MLA backend names them the same way): *expand* rebuilds per-head keys and
+values from the compact cache and runs ordinary attention (prefill, training); *absorbed* folds the
+up-projections into the query and the output so attention runs over the compact cache itself (decode).
+``naive`` caches the materialised per-head K/V instead: the MHA-sized baseline the benchmarks compare with.
+"""
 
 from __future__ import annotations
 
-import importlib
+from kvlm.attention.base import MATERIALISED, MODES, Attention, GateEmbedding, Step, attend
+from kvlm.attention.registry import get_attention_class, register, registry
 
-from kvlm.attention.base import MODES, Attention, Step, attend
-
-_MODULES = ("mha", "mla", "eg_mla", "mlra", "gta", "mfa", "tpa")
-_REGISTRY: dict[str, type[Attention]] = {}
-_LOADED = False
-
-
-def register(*names: str):
-    def deco(cls: type[Attention]) -> type[Attention]:
-        for n in names:
-            _REGISTRY[n] = cls
-        return cls
-
-    return deco
-
-
-def registry() -> dict[str, type[Attention]]:
-    global _LOADED
-    if not _LOADED:
-        _LOADED = True
-        for mod in _MODULES:
-            try:
-                importlib.import_module(f"kvlm.attention.{mod}")
-            except ModuleNotFoundError as e:  # a mechanism file not written yet
-                if e.name != f"kvlm.attention.{mod}":
-                    raise
-    return _REGISTRY
-
-
-def get_attention_class(name: str) -> type[Attention]:
-    reg = registry()
-    if name not in reg:
-        from kvlm.config import ConfigError
-
-        raise ConfigError(f"unknown attention {name!r}; known: {', '.join(sorted(reg))}")
-    return reg[name]
-
-
-__all__ = ["Attention", "MODES", "Step", "attend", "register", "registry", "get_attention_class"]
+__all__ = [
+    "MATERIALISED",
+    "MODES",
+    "Attention",
+    "GateEmbedding",
+    "Step",
+    "attend",
+    "get_attention_class",
+    "register",
+    "registry",
+]

@@ -1,143 +1,44 @@
-"""What every mechanism shares: the contract, the per-call step context, masks and the SDPA call.
+"""What every mechanism shares: the contract (the ``Attention`` base class), the few-row ``Linear``, and the
+``GateEmbedding`` table type. ``Step`` and ``attend`` live in ``kvlm.attention.step`` and are re-exported here.
 
-The contract (DESIGN.md):
-- ``cache_spec()`` declares the per-token tensors the mechanism caches; the cache allocates exactly these and
-  every KV number in kvlm is derived from them.
-- ``forward(x, step, cache)``: with ``cache=None`` the full causal forward (training); with a cache, the
-  new tokens' tensors are written into it and attention runs over everything cached.
-- ``mode``: ``"auto"`` picks the fast route, ``"naive"`` uses the materialised per-head K/V cache
-  (``cache_spec(naive=True)``), ``"absorbed"`` forces weight absorption and ``"expand"`` forces re-expanding
-  the compact cache into keys and values (the route prefill takes).
+The contract (DESIGN.md), all of it declared on ``Attention`` with a default, so that nothing outside a
+mechanism's file tests its name and nothing probes for attributes:
+- ``cache_spec()`` / ``spec_for(cfg)`` declare the per-token tensors the mechanism caches; the cache allocates
+  exactly these and every KV number in kvlm is derived from them.
+- ``forward(x, step, cache)``: with ``cache=None`` the full causal forward (training); with a cache layer
+  (``kvlm.cache.CacheLayer``), the new tokens' tensors are appended through it (``write``) and attention runs
+  over everything cached. Mechanisms never slice cache buffers themselves.
+- ``decode_routes(cfg)``: the modes it accepts and the route each takes (``"auto"`` picks the fast route,
+  ``"naive"`` the materialised per-head K/V cache of ``cache_spec(naive=True)``, ``"absorbed"`` weight
+  absorption, ``"expand"`` re-expanding the compact cache); ``forward`` records the route it ran in
+  ``step.trace``. ``decode_flops`` / ``decode_cost`` give its FLOPs and bytes per decode step (roofline).
+- ``config_defaults`` / ``check_config`` (derived defaults, validation), ``tp_shards`` / ``tp_max_degree``
+  (tensor parallelism), capability flags (``has_naive_cache``, ``needs_token_ids``,
+  ``supports_rope_kv_heads``, ``hf_peer``), and model hooks (``tie_layers``, ``prepare_for_inference``,
+  ``output_projections``, ``reset_extra_parameters``).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvlm.config import ConfigError, ModelConfig
+from kvlm.attention.step import MODES, Step, attend
+from kvlm.config import ModelConfig, spec_numel
+from kvlm.errors import ConfigError
 
-MODES = ("auto", "naive", "absorbed", "expand")
+if TYPE_CHECKING:
+    from kvlm.cache import CacheLayer
 
-
-@dataclass
-class Step:
-    """Where the new tokens of one forward call sit. Built once per model call, shared by all layers.
-
-    Cache slots are shared by the batch; a sequence b uses slots [pad[b], end). Its token in slot s has
-    position s - pad[b]. ``start`` is the first slot written by this call, ``end`` one past the last.
-    """
-
-    positions: torch.Tensor  # (B, T) absolute positions of the new tokens
-    start: int = 0
-    end: int = 0
-    mask: torch.Tensor | None = None  # (B, 1, T, end) bool, True = may attend; None = see `causal`
-    causal: bool = True  # with mask None: causal among new tokens (start == 0) or all visible (T == 1)
-    token_ids: torch.Tensor | None = None  # (B, T), for mechanisms gated by the token (eg-mla)
-    mode: str = "auto"
-    cached_token_ids: torch.Tensor | None = None  # (B, end): token ids of every filled slot (eg-mla)
-
-    @property
-    def n_new(self) -> int:
-        return self.positions.shape[1]
-
-    def visible(self, T: int, S: int, device: torch.device) -> torch.Tensor | None:
-        """Which of the S keys each of the T new queries may see, (B or 1, 1, T, S) bool, or None for all:
-        the explicit mask, else causal with the new tokens last (the rule ``attend`` applies)."""
-        if self.mask is not None:
-            return self.mask
-        if self.causal and T > 1:
-            return torch.ones(T, S, dtype=torch.bool, device=device).tril(S - T)[None, None]
-        return None
-
-    @staticmethod
-    def build(
-        token_ids: torch.Tensor,
-        start: int = 0,
-        pad: torch.Tensor | None = None,
-        mode: str = "auto",
-    ) -> Step:
-        """Positions and mask for new tokens written at slots [start, start + T).
-
-        pad (B,) counts left-padding slots per sequence (None or all zero: no padding)."""
-        if mode not in MODES:
-            raise ValueError(f"unknown attention mode {mode!r}; known: {', '.join(MODES)}")
-        B, T = token_ids.shape
-        device = token_ids.device
-        end = start + T
-        slots = torch.arange(start, end, device=device)
-        if pad is None or not bool(pad.any()):
-            positions = slots.expand(B, T)
-            needs_mask = start > 0 and T > 1  # causal among the new tokens, all of the past visible
-            mask = None
-            if needs_mask:
-                key = torch.arange(end, device=device)
-                mask = (key[None, :] <= slots[:, None])[None, None].expand(B, 1, T, end)
-            return Step(positions, start, end, mask, True, token_ids, mode)
-        pad = pad.to(device)
-        positions = (slots[None, :] - pad[:, None]).clamp(min=0)
-        key = torch.arange(end, device=device)
-        causal = key[None, :] <= slots[:, None]  # (T, end)
-        valid = key[None, :] >= pad[:, None]  # (B, end)
-        mask = causal[None] & valid[:, None, :]  # (B, T, end)
-        # a padding query would attend to nothing (NaN); let it see itself, its output is discarded
-        own = torch.zeros_like(mask)
-        own[:, torch.arange(T, device=device), slots] = True
-        mask = (mask | (own & ~valid[:, None, :]))[:, None]
-        return Step(positions, start, end, mask, False, token_ids, mode)
-
-
-def attend(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    step: Step,
-    scale: float,
-) -> torch.Tensor:
-    """Softmax attention of q (B, Hq, T, D) over k (B, Hk, S, D), v (B, Hk, S, Dv), Hk divides Hq.
-
-    Query head i uses key head i // (Hq / Hk) (repeat-interleave, as GQA). Returns (B, Hq, T, Dv).
-    With shared key heads the query heads of a group are folded into the query-length axis, so each cached
-    key and value is read once per group rather than once per query head: this is what makes MQA-style
-    decoding (GQA, absorbed MLA) memory-efficient.
-    """
-    B, Hq, T, D = q.shape
-    Hk, S = k.shape[1], k.shape[2]
-    r = Hq // Hk
-    mask = step.mask
-    is_causal = mask is None and step.causal and T > 1
-    if r > 1 and not is_causal:
-        qf = q.reshape(B, Hk, r * T, D)
-        if mask is not None:
-            mask = mask[:, :, None].expand(B, 1, r, T, S).reshape(B, 1, r * T, S)
-        out = _sdpa(qf, k, v, mask, False, scale)
-        return out.reshape(B, Hq, T, v.shape[-1])
-    if r > 1:
-        k = k.repeat_interleave(r, dim=1)
-        v = v.repeat_interleave(r, dim=1)
-    return _sdpa(q, k, v, mask, is_causal, scale)
-
-
-def _sdpa(q, k, v, mask, is_causal, scale):
-    if q.shape[-1] != v.shape[-1] or q.dtype == torch.float64:
-        # SDPA's fused CPU kernels need equal q/v widths; float64 gets the plain math for exact tests
-        return _math_attention(q, k, v, mask, is_causal, scale)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale)
-
-
-def _math_attention(q, k, v, mask, is_causal, scale):
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if is_causal:
-        T, S = q.shape[-2], k.shape[-2]
-        causal = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
-        scores = scores.masked_fill(~causal, float("-inf"))
-    elif mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v)
+# the route that attends over the materialised per-head K/V cache (cache_spec(naive=True))
+MATERIALISED = "materialised"
+# GTA's and TPA's "auto": the in-place (absorbed / factorised) route when a call appends at most this many tokens
+# to a cache (decode, speculative chunks); longer prefills rebuild per-head keys once and run SDPA
+ABSORB_MAX_NEW = 16
 
 
 class Linear(nn.Linear):
@@ -160,12 +61,22 @@ class Linear(nn.Linear):
         return y.contiguous().view(*x.shape[:-1], self.out_features)
 
 
+class GateEmbedding(nn.Embedding):
+    """A token-indexed table that lives off the matmul path (EG-MLA's per-layer gate embedding, eg-mla.md
+    Eq. 3): a decode step gathers a few rows of it instead of streaming it, and eg-mla.md reports it apart
+    from the activated parameters. The type is the declaration: ``KVLM.parameter_counts`` and the benchmarks
+    recognise these tables by ``isinstance``, which ``copy.deepcopy`` and sharding keep."""
+
+
 class Attention(nn.Module):
-    """Base class. Subclasses set ``name`` and implement ``cache_spec``, ``forward`` and (for reports)
-    ``tp_shards``. ``q_dim``/``out_dim`` describe the attention output fed to W_O."""
+    """Base class of every mechanism. A subclass sets ``name``, implements ``spec_for`` and ``forward`` and
+    overrides the declarations below that differ from the defaults. ``make_output`` builds W_O (``wo``)."""
 
     name: str = ""
-    has_naive_cache: bool = False  # True if cache_spec(naive=True) differs (latent mechanisms)
+    has_naive_cache: bool = False  # cache_spec(naive=True) differs: a materialised per-head K/V cache exists
+    needs_token_ids: bool = False  # forward reads step.token_ids and the cached tokens' ids (eg-mla)
+    supports_rope_kv_heads: bool = False  # accepts cfg.rope_kv_heads > 1 (several decoupled RoPE key heads)
+    hf_peer: str | None = None  # the transformers model_type `kvlm bench` compares against, if one exists
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -174,6 +85,11 @@ class Attention(nn.Module):
         self.gate: nn.Linear | None = None
 
     # --- configuration ----------------------------------------------------------------------
+    @classmethod
+    def config_defaults(cls, cfg: ModelConfig) -> None:
+        """Fill the derived defaults this mechanism owns (e.g. n_kv_head) on a config being built, in place;
+        runs before the generic defaults and before validation."""
+
     @classmethod
     def check_config(cls, cfg: ModelConfig) -> None:
         """Raise ConfigError for dimensions this mechanism cannot use."""
@@ -199,12 +115,71 @@ class Attention(nn.Module):
         """Largest TP degree that still splits the sharded tensors (beyond it they are replicated)."""
         return cfg.n_head
 
+    # --- decode routes and their cost ----------------------------------------------------------
+    @classmethod
+    def decode_routes(cls, cfg: ModelConfig) -> dict[str, str]:
+        """The decode modes this mechanism distinguishes -> the route each takes (the names ``forward``
+        records in ``step.trace``). Modes not listed run as "auto"."""
+        return {"auto": "plain"}
+
+    @classmethod
+    def route_of(cls, cfg: ModelConfig, mode_or_route: str) -> str:
+        """The route a mode takes (a route name is returned as is); ConfigError for neither."""
+        routes = cls.decode_routes(cfg)
+        if mode_or_route in routes:
+            return routes[mode_or_route]
+        if mode_or_route in routes.values():
+            return mode_or_route
+        raise ConfigError(
+            f"{cfg.attention} has no decode mode or route {mode_or_route!r}; modes: {', '.join(routes)}"
+        )
+
+    @classmethod
+    def decode_flops(cls, cfg: ModelConfig, layer_idx: int = 0) -> float | None:
+        """FLOPs of one decode query token against one cached token, all heads, one layer, on the route the
+        papers count (mlra.md Table 2); None when the mechanism does not say."""
+        return None
+
+    @classmethod
+    def decode_cost(
+        cls, cfg: ModelConfig, batch: int, n_cached: int, route: str = "auto", layer_idx: int = 0
+    ) -> dict[str, float | None]:
+        """One decode step (one new token per sequence) of attention over ``n_cached`` cached tokens of one
+        layer, on ``route`` (a mode or a route name): {"flops", "cache_elements" (elements read from the
+        cache), "weight_elements" (derived weights read that are not parameters; 0 here)}. The default
+        scales ``decode_flops`` and reads the naive cache on the materialised route, the compact one else."""
+        route = cls.route_of(cfg, route)
+        tokens = batch * n_cached
+        per_token = cls.decode_flops(cfg, layer_idx)
+        spec = cls.spec_for(cfg, layer_idx, naive=route == MATERIALISED)
+        return {
+            "flops": None if per_token is None else tokens * per_token,
+            "cache_elements": tokens * spec_numel(spec),
+            "weight_elements": 0,
+        }
+
+    # --- hooks the model calls --------------------------------------------------------------------
+    @classmethod
+    def tie_layers(cls, attns: list[Attention]) -> None:
+        """Share parameters across the model's layers after they are built (e.g. eg-mla's layer groups)."""
+
+    def prepare_for_inference(self) -> None:
+        """Build derived weights (absorbed matrices, gate tables) from the current parameters, once; called
+        by ``KVLM.prepare_for_inference`` after loading or training, never per step."""
+
+    def reset_extra_parameters(self) -> None:
+        """Initialise parameters that are not nn.Linear / nn.Embedding weights (the model's init does those)."""
+
+    def output_projections(self) -> list[nn.Linear]:
+        """The projections that write into the residual stream (W_O): the model initialises them scaled by
+        1/sqrt(2 n_layer), or zero with cfg.zero_init_out."""
+        return [self.wo]
+
     # --- shared helpers -----------------------------------------------------------------------
     def make_output(self, in_dim: int) -> None:
         """W_O (and the optional output gate of mlra.md Appendix E) from in_dim = h * d_v to d_model."""
         cfg = self.cfg
         self.wo = Linear(in_dim, cfg.d_model, bias=cfg.bias)
-        self.wo.is_output_projection = True  # zero-init / scaled-init marker for the model's init
         if cfg.gated:
             self.gate = Linear(cfg.d_model, in_dim, bias=cfg.bias)
 
@@ -217,14 +192,16 @@ class Attention(nn.Module):
         return self.wo(o)
 
     @staticmethod
-    def write(cache: dict[str, torch.Tensor], name: str, value: torch.Tensor, step: Step) -> torch.Tensor:
-        """Write value (B, *lead, T, last) into cache slots [start, end) and return the filled view
-        (B, *lead, end, last): the sequence axis is second to last in every cache buffer."""
-        buf = cache[name]
-        buf[..., step.start : step.end, :] = value.to(buf.dtype)
-        return buf[..., : step.end, :]
+    def write(cache: CacheLayer, name: str, value: torch.Tensor, step: Step) -> torch.Tensor:
+        """Append value (B, *lead, T, last), the new tokens' ``name`` tensor, to the cache layer and return
+        everything cached of it, (B, *lead, end, last) (``CacheLayer.append``)."""
+        return cache.append(name, value, step)
 
-    def forward(self, x: torch.Tensor, step: Step, cache: dict[str, torch.Tensor] | None = None):
+    def record_route(self, step: Step, route: str) -> None:
+        """Note in ``step.trace`` that this layer ran ``route``."""
+        step.record(self.layer_idx, route)
+
+    def forward(self, x: torch.Tensor, step: Step, cache: CacheLayer | None = None) -> torch.Tensor:
         raise NotImplementedError
 
 
@@ -235,3 +212,17 @@ def softmax_scale(dim: int) -> float:
 def require(cond: bool, message: str) -> None:
     if not cond:
         raise ConfigError(message)
+
+
+__all__ = [
+    "ABSORB_MAX_NEW",
+    "MATERIALISED",
+    "MODES",
+    "Attention",
+    "GateEmbedding",
+    "Linear",
+    "Step",
+    "attend",
+    "require",
+    "softmax_scale",
+]

@@ -12,14 +12,18 @@ and call SDPA (prefill, training). There is no separate materialised cache: V^C 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
-from kvlm.attention import register
-from kvlm.attention.base import Attention, Linear, Step, attend, require
-from kvlm.attention.mlra import ABSORB_MAX_NEW, split_score_attention
+from kvlm.attention.base import ABSORB_MAX_NEW, Attention, Linear, Step, attend, require
+from kvlm.attention.latent_ops import split_score_attention
+from kvlm.attention.registry import register
 from kvlm.attention.rope import RotaryEmbedding, apply_rope
-from kvlm.config import ModelConfig
+
+if TYPE_CHECKING:
+    from kvlm.cache import CacheLayer
+    from kvlm.config import ModelConfig
 
 
 @register("gta")
@@ -37,6 +41,11 @@ class GroupedTiedAttention(Attention):
         self.rope = RotaryEmbedding(dr, cfg.max_seq_len, cfg.rope_theta) if dr else None
         self.scale = 1.0 / math.sqrt(dh)
         self.make_output(h * dh)
+
+    @classmethod
+    def config_defaults(cls, cfg: ModelConfig) -> None:
+        if cfg.n_kv_head is None:
+            cfg.n_kv_head = max(1, cfg.n_head // 4)
 
     @classmethod
     def check_config(cls, cfg: ModelConfig) -> None:
@@ -64,14 +73,22 @@ class GroupedTiedAttention(Attention):
     def tp_max_degree(cls, cfg):
         return cfg.n_kv_head
 
-    def forward(self, x: torch.Tensor, step: Step, cache=None) -> torch.Tensor:
+    @classmethod
+    def decode_routes(cls, cfg):
+        return {"auto": "absorbed", "absorbed": "absorbed", "expand": "expand"}
+
+    @classmethod
+    def decode_flops(cls, cfg, layer_idx=0):
+        return 4.0 * cfg.n_head * cfg.head_dim  # keys tied to values: d_h - d_h^R + d_h^R wide, values d_h
+
+    def forward(self, x: torch.Tensor, step: Step, cache: CacheLayer | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         h, g, dh, dr = self.n_head, self.n_kv_head, self.head_dim, self.rope_dim
         q = self.wq(x).view(B, T, h, dh).transpose(1, 2)
         v = self.wkv(x).view(B, T, g, dh).transpose(1, 2)
         k_rope = None
         if self.rope is not None:
-            cos, sin = self.rope.cos_sin(step.positions, x.dtype)
+            cos, sin = step.cos_sin(self.rope, x.dtype)
             q = torch.cat([q[..., : self.nope_dim], apply_rope(q[..., self.nope_dim :], cos, sin)], dim=-1)
             k_rope = apply_rope(self.wk_rope(x)[:, None], cos, sin)[:, 0]  # (B, T, d_h^R)
         if cache is not None:
@@ -83,11 +100,13 @@ class GroupedTiedAttention(Attention):
         if mode == "auto":
             mode = "absorbed" if cache is not None and T <= ABSORB_MAX_NEW else "expand"
         if mode == "absorbed":
+            self.record_route(step, "absorbed")
             r = h // g
             q_nope = q[..., : self.nope_dim].reshape(B, g, r, T, self.nope_dim)
             q_rope = q[..., self.nope_dim :] if k_rope is not None else None
             o = split_score_attention(q_nope, v[..., : self.nope_dim], v, q_rope, k_rope, step, self.scale)
             return self.output(o.reshape(B, h, T, dh), x)
+        self.record_route(step, "expand")
         k = v
         if k_rope is not None:  # K = [V[:, :, :d_h - d_h^R], K^RoPE] (C.7)
             k = torch.cat([v[..., : self.nope_dim], k_rope[:, None].expand(B, g, S, dr)], dim=-1)

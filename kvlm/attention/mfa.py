@@ -8,14 +8,18 @@ Caches K^C (1, head_dim) and V^C (1, head_dim). With q_lora_rank = 0 the query i
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from kvlm.attention import register
 from kvlm.attention.base import Attention, Linear, Step, attend
+from kvlm.attention.registry import register
 from kvlm.attention.rope import RotaryEmbedding, apply_rope
-from kvlm.config import ModelConfig
+
+if TYPE_CHECKING:
+    from kvlm.cache import CacheLayer
+    from kvlm.config import ModelConfig
 
 
 @register("mfa")
@@ -52,7 +56,12 @@ class MultiMatrixFactorizationAttention(Attention):
     def tp_max_degree(cls, cfg):
         return 1
 
-    def forward(self, x: torch.Tensor, step: Step, cache=None) -> torch.Tensor:
+    @classmethod
+    def decode_flops(cls, cfg, layer_idx=0):
+        spec = cls.spec_for(cfg, layer_idx)
+        return 2.0 * cfg.n_head * (spec["k"][-1] + spec["v"][-1])  # as MQA: every head over the one K, V
+
+    def forward(self, x: torch.Tensor, step: Step, cache: CacheLayer | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         if self.cfg.q_lora_rank:
             c_q = self.wq_a(x)
@@ -65,10 +74,11 @@ class MultiMatrixFactorizationAttention(Attention):
         k = self.wk(x).view(B, T, 1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, T, 1, self.head_dim).transpose(1, 2)
         if self.rope is not None:
-            cos, sin = self.rope.cos_sin(step.positions, x.dtype)
+            cos, sin = step.cos_sin(self.rope, x.dtype)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k = self.write(cache, "k", k, step)
             v = self.write(cache, "v", v, step)
+        self.record_route(step, "plain")
         o = attend(q, k, v, step, 1.0 / math.sqrt(self.head_dim))
         return self.output(o, x)

@@ -1,22 +1,28 @@
-"""MHA, MQA and GQA (mlra.md Appendix C.1-C.2): one class, g = n_kv_head key-value heads.
+"""MHA, MQA and GQA (mlra.md Appendix C.1-C.2): one computation, g = n_kv_head key-value heads.
 
-MHA: g = h. MQA: g = 1. GQA: 1 < g < h, query head i reads key-value head i // (h / g).
-Caches K^C and V^C: 2 g d_h elements per token per layer.
+MHA: g = h. MQA: g = 1. GQA: 1 < g < h (default h / 4), query head i reads key-value head i // (h / g).
+Caches K^C and V^C: 2 g d_h elements per token per layer. One route ("plain"): attention over the cached K, V.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from kvlm.attention import register
 from kvlm.attention.base import Attention, Linear, Step, attend, require, softmax_scale
+from kvlm.attention.registry import register
 from kvlm.attention.rope import RotaryEmbedding, apply_rope
-from kvlm.config import ModelConfig
+
+if TYPE_CHECKING:
+    from kvlm.cache import CacheLayer
+    from kvlm.config import ModelConfig
 
 
-@register("mha", "mqa", "gqa")
+@register("mha")
 class MultiHeadAttention(Attention):
     name = "mha"
+    hf_peer = "llama"
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__(cfg, layer_idx)
@@ -27,6 +33,10 @@ class MultiHeadAttention(Attention):
         self.wv = Linear(cfg.d_model, g * dh, bias=cfg.bias)
         self.rope = RotaryEmbedding(dh, cfg.max_seq_len, cfg.rope_theta) if cfg.rope else None
         self.make_output(h * dh)
+
+    @classmethod
+    def config_defaults(cls, cfg: ModelConfig) -> None:
+        cfg.n_kv_head = cfg.n_head  # MHA: one key-value head per query head, whatever was asked
 
     @classmethod
     def check_config(cls, cfg: ModelConfig) -> None:
@@ -46,16 +56,45 @@ class MultiHeadAttention(Attention):
     def tp_max_degree(cls, cfg):
         return cfg.n_kv_head
 
-    def forward(self, x: torch.Tensor, step: Step, cache=None) -> torch.Tensor:
+    @classmethod
+    def decode_flops(cls, cfg, layer_idx=0):
+        spec = cls.spec_for(cfg, layer_idx)
+        return 2.0 * cfg.n_head * (spec["k"][-1] + spec["v"][-1])  # scores and values over the per-head K, V
+
+    def forward(self, x: torch.Tensor, step: Step, cache: CacheLayer | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         if self.rope is not None:
-            cos, sin = self.rope.cos_sin(step.positions, x.dtype)
+            cos, sin = step.cos_sin(self.rope, x.dtype)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k = self.write(cache, "k", k, step)
             v = self.write(cache, "v", v, step)
+        self.record_route(step, "plain")
         o = attend(q, k, v, step, softmax_scale(self.head_dim))
         return self.output(o, x)
+
+
+@register("mqa")
+class MultiQueryAttention(MultiHeadAttention):
+    """MQA: one key-value head shared by every query head."""
+
+    name = "mqa"
+
+    @classmethod
+    def config_defaults(cls, cfg: ModelConfig) -> None:
+        cfg.n_kv_head = 1
+
+
+@register("gqa")
+class GroupedQueryAttention(MultiHeadAttention):
+    """GQA: g key-value heads, each shared by h / g query heads (default g = h / 4)."""
+
+    name = "gqa"
+
+    @classmethod
+    def config_defaults(cls, cfg: ModelConfig) -> None:
+        if cfg.n_kv_head is None:
+            cfg.n_kv_head = max(1, cfg.n_head // 4)

@@ -9,21 +9,26 @@ Routes: "absorbed" (the decode route "auto" takes) never builds per-head keys or
 computed as the factor products <Q^C, K^C> over the cache (beta_q beta_kv dot products of d_h per cached token,
 where per-head keys would need h beta_kv), then contracted with the coefficients; the output is
 sum_c (P * V^A[:, c]) V^C[c]. Each cached factor is read once. "expand" rebuilds K, V from the cached factors
-(prefill); "naive" caches the materialised per-head K, V (the baseline).
+(prefill); "naive" caches the materialised per-head K, V (the baseline). The routes ``forward`` records in
+``step.trace`` are "factorised", "expand" and "materialised".
 """
 
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
-from kvlm.attention import register
-from kvlm.attention.base import Attention, Linear, Step, attend, require
-from kvlm.attention.mlra import ABSORB_MAX_NEW
+from kvlm.attention.base import ABSORB_MAX_NEW, MATERIALISED, Attention, Linear, Step, attend, require
+from kvlm.attention.registry import register
 from kvlm.attention.rope import RotaryEmbedding, apply_rope
-from kvlm.cache import CacheError
-from kvlm.config import ModelConfig
+from kvlm.config import spec_numel
+from kvlm.errors import CacheError
+
+if TYPE_CHECKING:
+    from kvlm.cache import CacheLayer
+    from kvlm.config import ModelConfig
 
 
 @register("tpa")
@@ -63,6 +68,42 @@ class TensorProductAttention(Attention):
     def tp_max_degree(cls, cfg):
         return cfg.n_head
 
+    # --- routes and their cost ----------------------------------------------------------------
+    @classmethod
+    def decode_routes(cls, cfg):
+        return {"auto": "factorised", "absorbed": "factorised", "expand": "expand", "naive": MATERIALISED}
+
+    @classmethod
+    def decode_flops(cls, cfg, layer_idx=0):
+        """mlra.md Table 2's count: rebuild K, V from beta_kv factors (4 h beta_kv d_h), then attend (4 h d_h)."""
+        h, dh = cfg.n_head, cfg.head_dim
+        return 4.0 * h * cfg.tpa_kv_rank * dh + 4.0 * h * dh
+
+    @classmethod
+    def decode_cost(cls, cfg, batch, n_cached, route="auto", layer_idx=0):
+        """Per cached token and query: "factorised" computes <Q^C, K^C> (2 beta_q beta_kv d_h), contracts it with
+        Q^A and K^A (2 beta_q beta_kv h + 2 beta_kv h), weights V^A by the probabilities (beta_kv h) and sums
+        over V^C (2 beta_kv h d_h); "expand" is ``decode_flops``; "materialised" attends over per-head K, V
+        (4 h d_h) read from the naive cache."""
+        route = cls.route_of(cfg, route)
+        h, dh, bq, bkv = cfg.n_head, cfg.head_dim, cfg.tpa_q_rank, cfg.tpa_kv_rank
+        per_token = {
+            "factorised": 2.0 * bq * bkv * dh
+            + 2.0 * bq * bkv * h
+            + 2.0 * bkv * h
+            + bkv * h
+            + 2.0 * bkv * h * dh,
+            "expand": cls.decode_flops(cfg, layer_idx),
+            MATERIALISED: 4.0 * h * dh,
+        }[route]
+        tokens = batch * n_cached
+        spec = cls.spec_for(cfg, layer_idx, naive=route == MATERIALISED)
+        return {
+            "flops": tokens * per_token,
+            "cache_elements": tokens * spec_numel(spec),
+            "weight_elements": 0,
+        }
+
     # --- pieces -------------------------------------------------------------------------------
     def factors(self, x: torch.Tensor, step: Step):
         """x (B, T, d) -> Q^A (B, T, beta_q, h), Q^C (B, beta_q, T, d_h), and the cached-layout factors
@@ -76,7 +117,7 @@ class TensorProductAttention(Attention):
         qc = qc.view(B, T, bq, dh).transpose(1, 2)
         kc, vc = (t.view(B, T, bkv, dh).transpose(1, 2) for t in (kc, vc))
         if self.rope is not None:
-            cos, sin = self.rope.cos_sin(step.positions, x.dtype)
+            cos, sin = step.cos_sin(self.rope, x.dtype)
             qc, kc = apply_rope(qc, cos, sin), apply_rope(kc, cos, sin)
         return qa, qc, ka, kc, va, vc
 
@@ -104,16 +145,17 @@ class TensorProductAttention(Attention):
         return o.view(B, h, T, -1)
 
     # --- forward ------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, step: Step, cache=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: Step, cache: CacheLayer | None = None) -> torch.Tensor:
         T = x.shape[1]
         qa, qc, ka, kc, va, vc = self.factors(x, step)
         mode = step.mode
-        naive_cache = cache is not None and "k" in cache
+        naive_cache = cache is not None and cache.naive
         if naive_cache and mode not in ("auto", "naive"):
             raise CacheError(f"mode={mode!r} needs the compact cache; this one is naive (materialised K/V)")
         if mode == "naive" and cache is not None and not naive_cache:
             raise CacheError("mode='naive' needs the materialised cache: model.new_cache(..., naive=True)")
         if naive_cache:
+            self.record_route(step, MATERIALISED)
             k = self.write(cache, "k", self.heads(ka, kc), step)
             v = self.write(cache, "v", self.heads(va, vc), step)
         else:
@@ -123,7 +165,9 @@ class TensorProductAttention(Attention):
             if mode == "auto":
                 mode = "absorbed" if cache is not None and T <= ABSORB_MAX_NEW else "expand"
             if mode == "absorbed":
+                self.record_route(step, "factorised")
                 return self.output(self.factorized(qa, qc, ka, kc, va, vc, step), x)
+            self.record_route(step, "expand")
             k, v = self.heads(ka, kc), self.heads(va, vc)
         q = torch.einsum("btpi,bptd->bitd", qa, qc) / self.beta_q  # Q[t] = (1/beta_q) (Q^A[t])^T Q^C[t]
         return self.output(attend(q, k, v, step, self.scale), x)

@@ -3,7 +3,8 @@
 A peer is the transformers implementation a user would otherwise pick for the same configuration
 (LlamaForCausalLM for MHA/MQA/GQA, DeepseekV3ForCausalLM for MLA), holding kvlm's weights so that both
 compute the same function (``max_logit_diff`` checks it), and generating through its own cache
-(``DynamicCache``). transformers is an optional extra (``pip install 'kvlm[hf]'``); without it
+(``DynamicCache``). Which peer a mechanism has is its ``Attention.hf_peer`` (a transformers model_type, the key
+of ``PEERS``). transformers is an optional extra (``pip install 'kvlm[hf]'``); without it
 ``build_peer`` raises ``PeerUnavailable`` with the reason.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from kvlm.attention import get_attention_class
 from kvlm.model import KVLM
 
 
@@ -27,7 +29,8 @@ def transformers_version() -> str | None:
 
 
 def build_peer(model: KVLM) -> Peer:
-    """The transformers model computing the same function as ``model`` (weights copied)."""
+    """The transformers model computing the same function as ``model`` (weights copied): the one named by
+    the mechanism's ``hf_peer``."""
     if transformers_version() is None:
         raise PeerUnavailable("transformers is not installed (pip install 'kvlm[hf]')")
     cfg = model.cfg
@@ -36,16 +39,19 @@ def build_peer(model: KVLM) -> Peer:
     )
     _require(not cfg.gated, "gated attention has no transformers peer")
     _require(cfg.rope and cfg.rope_head_dim != 0, "the peers always apply RoPE; rope=False has none")
-    if cfg.attention in ("mha", "mqa", "gqa"):
-        peer = _llama_peer(model)
-    elif cfg.attention == "mla":
-        _require(cfg.rope_kv_heads == 1, "DeepseekV3 has one shared RoPE key (rope_kv_heads must be 1)")
-        peer = _deepseek_v3_peer(model)
-    else:
+    kind = get_attention_class(cfg.attention).hf_peer
+    if kind not in PEERS:
         raise PeerUnavailable(f"no transformers implementation of {cfg.attention!r}")
+    peer = PEERS[kind](model)
     p = model.embed.weight
     peer.model.to(device=p.device, dtype=p.dtype).eval()
     return peer
+
+
+def agreement_tolerance(dtype: torch.dtype) -> float:
+    """Largest |logit difference| / max(1, |logit|) accepted as 'the same function'. transformers rounds
+    RoPE angles and RMSNorm through float32, so even float64 agrees only to ~1e-7."""
+    return 1e-3 if dtype in (torch.float32, torch.float64) else 5e-2
 
 
 def _require(cond: bool, why: str) -> None:
@@ -189,14 +195,15 @@ class DeepseekV3Peer(Peer):
 def _deepseek_v3_peer(model: KVLM) -> Peer:
     """DeepseekV3ForCausalLM with every layer a dense SwiGLU (first_k_dense_replace = n_layer, no experts).
 
-    Weight layout (kvlm -> transformers): W^DQ -> q_a_proj; [W^UQ_i; W^QR_i] per head -> q_b_proj (or W^Q ->
-    q_proj, already laid out [q^C_i; q^R_i]); [W^DKV; W^KR] -> kv_a_proj_with_mqa; [W^UK_i; W^UV_i] per head ->
-    kv_b_proj; W^O -> o_proj. transformers' default ``rope_interleave=True`` rotates the pairs (x_2j, x_2j+1) and
+    Weight layout (kvlm -> transformers), the same names and layouts but for RoPE rows: wq_a -> q_a_proj; wq_b
+    ([W^UQ_i; W^QR_i] per head) -> q_b_proj (or wq -> q_proj); wkv_a ([W^DKV; W^KR]) -> kv_a_proj_with_mqa;
+    wkv_b ([W^UK_i; W^UV_i] per head) -> kv_b_proj; wo -> o_proj. transformers' default ``rope_interleave=True`` rotates the pairs (x_2j, x_2j+1) and
     returns them half-split, so the rows that make q^R and k^R are interleaved ([0, d/2, 1, d/2 + 1, ...]):
     the roped outputs (and the cached k^R) are then exactly kvlm's half-split ones."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     cfg = model.cfg
+    _require(cfg.rope_kv_heads == 1, "DeepseekV3 has one shared RoPE key (rope_kv_heads must be 1)")
     _require(cfg.kv_latent == "joint", "separate K and V latents have no DeepseekV3 equivalent")
     _require(cfg.latent_norm and not cfg.latent_scaling, "DeepseekV3 always RMS-normalises latents, unscaled")
     _require(not cfg.bias, "DeepseekV3 has no biases on its up-projections")
@@ -234,21 +241,17 @@ def _deepseek_v3_peer(model: KVLM) -> Peer:
             state[_llama_key(key, {}, {"w1": "gate_proj", "w2": "up_proj", "wo": "down_proj"})] = value
     for i, block in enumerate(model.layers):
         a, pre = block.attn, f"model.layers.{i}.self_attn."
+        # kvlm's latent layout is DeepSeek's (kvlm.attention.latent); only the RoPE rows are permuted
         if dq:
-            state[pre + "q_a_proj.weight"] = a.w_dq.weight
+            state[pre + "q_a_proj.weight"] = a.wq_a.weight
             state[pre + "q_a_layernorm.weight"] = a.q_norm.weight
-            w_uq = a.w_uq.weight.view(h, dh, dq)
-            w_qr = a.w_qr.weight.view(h, dr, dq)[:, interleave]
-            state[pre + "q_b_proj.weight"] = torch.cat([w_uq, w_qr], dim=1).reshape(h * (dh + dr), dq)
+            state[pre + "q_b_proj.weight"] = _interleave_rope_rows(a.wq_b.weight, h, dh, interleave)
         else:
-            wq = a.wq.weight.view(h, dh + dr, -1)
-            state[pre + "q_proj.weight"] = torch.cat([wq[:, :dh], wq[:, dh:][:, interleave]], dim=1).flatten(
-                0, 1
-            )
-        state[pre + "kv_a_proj_with_mqa.weight"] = torch.cat([a.w_dkv.weight, a.w_kr.weight[interleave]])
+            state[pre + "q_proj.weight"] = _interleave_rope_rows(a.wq.weight, h, dh, interleave)
+        w_kv_a = a.wkv_a.weight
+        state[pre + "kv_a_proj_with_mqa.weight"] = torch.cat([w_kv_a[:dc], w_kv_a[dc:][interleave]])
         state[pre + "kv_a_layernorm.weight"] = a.kv_norm.weight
-        w_uk, w_uv = a.w_uk.weight.view(h, dh, dc), a.w_uv.weight.view(h, dh, dc)
-        state[pre + "kv_b_proj.weight"] = torch.cat([w_uk, w_uv], dim=1).reshape(h * 2 * dh, dc)
+        state[pre + "kv_b_proj.weight"] = a.wkv_b.weight  # rows of head i: [W^UK_i; W^UV_i]
         state[pre + "o_proj.weight"] = a.wo.weight
         # transformers builds the latent norms with eps 1e-6 whatever the config says; use kvlm's
         attn = hf.model.layers[i].self_attn
@@ -257,6 +260,16 @@ def _deepseek_v3_peer(model: KVLM) -> Peer:
                 norm.variance_epsilon = cfg.norm_eps
     _load(hf, state)
     return DeepseekV3Peer("transformers DeepseekV3ForCausalLM", hf)
+
+
+def _interleave_rope_rows(w: torch.Tensor, h: int, dh: int, interleave: torch.Tensor) -> torch.Tensor:
+    """A query projection whose rows of head i are [q^C_i (d_h); q^R_i], with q^R_i's rows interleaved."""
+    w = w.view(h, -1, w.shape[-1])
+    return torch.cat([w[:, :dh], w[:, dh:][:, interleave]], dim=1).flatten(0, 1)
+
+
+# the transformers model_type a mechanism names as its ``hf_peer`` -> the builder of that peer
+PEERS = {"llama": _llama_peer, "deepseek_v3": _deepseek_v3_peer}
 
 
 # --- agreement --------------------------------------------------------------------------------------

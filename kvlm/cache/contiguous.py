@@ -1,8 +1,9 @@
-"""The KV cache: per layer, exactly the per-token tensors the mechanism's ``cache_spec()`` declares.
+"""The KV cache of a model: per layer, exactly the per-token tensors the mechanism's ``cache_spec()`` declares.
 
-A tensor declared with per-token shape (*lead, last) is stored as a buffer (B, *lead, max_seq_len, last):
-the sequence axis sits second to last so that the filled part ``buf[..., :n, :]`` is a strided view that
-attention kernels read without a copy (for MHA: (B, g, S, d_h), the layout SDPA wants).
+``KVCache`` holds one ``CacheLayer`` per attention layer (``cache.layers[i]``), today ``ContiguousLayer``: a
+tensor declared with per-token shape (*lead, last) is stored as a buffer (B, *lead, max_seq_len, last), the
+sequence axis second to last so that the filled part is a strided view that attention kernels read without a
+copy (for MHA: (B, g, S, d_h), the layout SDPA wants). Mechanisms reach it only through ``CacheLayer``.
 
 Batches of prompts with different lengths are left-padded: slots are shared by the batch and sequence b
 starts at slot ``pad[b]``; attention masks slots before it, and positions count from it.
@@ -10,16 +11,23 @@ starts at slot ``pad[b]``; attention masks slots before it, and positions count 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from kvlm.config import _numel
+from kvlm.cache.layer import ContiguousLayer
+from kvlm.errors import CacheError
 
-
-class CacheError(ValueError):
-    """Misuse of a KV cache: out of capacity, wrong batch, dtype or device."""
+if TYPE_CHECKING:
+    from kvlm.attention.step import Step
 
 
 class KVCache:
+    """The model's cache: ``layers[i]`` is layer i's ``CacheLayer``; ``length`` slots are filled, shared by
+    the batch; ``pad`` counts each sequence's left-padding slots; ``token_ids`` (or None) the token of every
+    slot, for mechanisms that read it (``needs_token_ids``). ``mode``: "compact" or "naive" (materialised K/V).
+    """
+
     def __init__(
         self,
         specs: list[dict[str, tuple[int, ...]]],
@@ -38,15 +46,6 @@ class KVCache:
         self.device = torch.device(device)
         self.mode = mode  # "compact" (the paper's cache) or "naive" (materialised per-head K/V)
         self.specs = specs
-        self.layers: list[dict[str, torch.Tensor]] = []
-        for spec in specs:
-            bufs = {}
-            for name, shape in spec.items():
-                *lead, last = shape
-                bufs[name] = torch.zeros(
-                    batch_size, *lead, max_seq_len, last, dtype=dtype, device=self.device
-                )
-            self.layers.append(bufs)
         # token ids of every cached slot, for mechanisms that rebuild K/V from the token (eg-mla);
         # one int per token for the whole model, not per layer, so not KV accounting.
         self.token_ids = (
@@ -54,18 +53,24 @@ class KVCache:
             if store_token_ids
             else None
         )
+        self.layers: list[ContiguousLayer] = [
+            ContiguousLayer(
+                spec, batch_size, max_seq_len, dtype, mode == "naive", self.token_ids, self.device
+            )
+            for spec in specs
+        ]
         self.length = 0  # slots filled (shared by the batch)
         self.pad = torch.zeros(batch_size, dtype=torch.long, device=self.device)
 
     # --- accounting -------------------------------------------------------------------------
     @property
     def elements_per_token(self) -> int:
-        return sum(_numel(spec) for spec in self.specs)
+        return sum(layer.elements_per_token for layer in self.layers)
 
     @property
     def nbytes(self) -> int:
-        """Bytes of KV held by the preallocated buffers (batch_size * max_seq_len tokens)."""
-        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.values())
+        """Bytes of KV held for batch_size * max_seq_len tokens (from the cache specs)."""
+        return sum(layer.nbytes for layer in self.layers)
 
     @property
     def nbytes_used(self) -> int:
@@ -83,6 +88,24 @@ class KVCache:
         return self.length - self.pad
 
     # --- use ----------------------------------------------------------------------------------
+    def append_token_ids(self, tokens: torch.Tensor, step: Step) -> torch.Tensor | None:
+        """Store the new tokens' ids (B, T) in slots [step.start, step.end) when this cache keeps ids; return
+        the ids of every filled slot (B, step.end), else None."""
+        if self.token_ids is None:
+            return None
+        self.token_ids[:, step.start : step.end] = tokens
+        return self.token_ids[:, : step.end]
+
+    def fill_random_(self, length: int, vocab_size: int) -> None:
+        """Make the cache hold ``length`` random tokens, as a prefill would have left it (benchmarks)."""
+        if not 0 <= length <= self.max_seq_len:
+            raise CacheError(f"length={length} is outside [0, max_seq_len={self.max_seq_len}]")
+        for layer in self.layers:
+            layer.fill_random_(length)
+        if self.token_ids is not None:
+            self.token_ids[:, :length].random_(0, vocab_size)
+        self.length = length
+
     def reset(self) -> None:
         self.length = 0
         self.pad.zero_()

@@ -1,5 +1,15 @@
-"""The `kvlm` command. Each verb lives in its own module, which provides
-``add_arguments(parser)`` and ``main(args) -> int | None``; this file only dispatches."""
+"""The `kvlm` command: the only place in kvlm that parses arguments.
+
+Each verb is one thin module, ``kvlm/cli/<verb>.py`` (``kv-table`` -> ``kv_table.py``), that provides
+``add_arguments(parser)`` and ``main(args) -> int | None`` and calls the library; this file only dispatches
+(``COMMANDS``, ``build_parser``, ``main``). ``kvlm.cli.common`` holds the argument helpers the verbs share
+(``parse_overrides`` for ``--set KEY=VALUE``, ``parse_int_list`` for ``--tp 1,2,4``).
+
+``main`` sets up logging once (``kvlm.logs.setup_logging``: the library's progress and notes go to stderr,
+rank 0 only), so stdout carries only each command's result and, with ``--json``, its last line is one JSON
+object. A ValueError or FileNotFoundError from the library (ConfigError, CacheError, DataError, ...) becomes
+one ``kvlm VERB: error: ...`` line and exit status 1.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +17,9 @@ import argparse
 import importlib
 import json
 import sys
+
+from kvlm import __version__
+from kvlm.logs import setup_logging
 
 # verb -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -21,6 +34,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "kvlm.cli.bench",
         "prefill / decode latency, throughput, memory, against peers and the roofline",
     ),
+    "bench-parallel": (
+        "kvlm.cli.parallel_bench",
+        "tensor-parallel decode and EG-MLA embedding-parallel benchmarks (under torchrun)",
+    ),
     "kv-table": ("kvlm.cli.kv_table", "KV cache and parameter accounting of presets (the papers' tables)"),
     "compare": ("kvlm.cli.compare", "train several attention variants and report which is best at what cost"),
     "export-hf": ("kvlm.cli.export_hf", "export a checkpoint as a Hugging Face transformers folder"),
@@ -32,7 +49,7 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
     """The parser; only the module of ``verb`` is imported (``kvlm --help`` imports none), so a verb's
     heavy or optional dependencies never slow down or break another verb."""
     parser = argparse.ArgumentParser(prog="kvlm", description="Language models with small KV caches.")
-    parser.add_argument("--version", action="version", version=f"kvlm {_version()}")
+    parser.add_argument("--version", action="version", version=f"kvlm {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_) in COMMANDS.items():
         p = sub.add_parser(name, help=help_, description=help_)
@@ -40,12 +57,6 @@ def build_parser(verb: str | None = None) -> argparse.ArgumentParser:
         if name == verb:
             importlib.import_module(module).add_arguments(p)
     return parser
-
-
-def _version() -> str:
-    from kvlm import __version__
-
-    return __version__
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.command:
         parser.print_help()
         return 2
+    setup_logging()
     mod = importlib.import_module(args._module)
     try:
         rc = mod.main(args)

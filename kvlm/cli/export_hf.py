@@ -1,5 +1,38 @@
-"""`kvlm export-hf`: export a checkpoint as a Hugging Face transformers folder."""
+"""`kvlm export-hf CHECKPOINT OUT`: export a checkpoint as a Hugging Face transformers folder (kvlm.interop.hf).
 
-from kvlm.interop.hf import add_arguments, main
+Prints the folder and its files (one JSON object with ``--json``)."""
 
-__all__ = ["add_arguments", "main"]
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+
+import torch
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="kvlm checkpoint folder")
+    p.add_argument("out", help="output folder (replaced if it exists)")
+    p.add_argument("--no-remote-code", action="store_true",
+                   help="do not copy kvlm's source into the folder (loading then needs kvlm installed)")  # fmt: skip
+    p.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="default: as saved"
+    )
+    p.add_argument("--json", action="store_true", help="the last stdout line is a JSON object")
+
+
+def main(args) -> int:
+    if importlib.util.find_spec("transformers") is None:
+        raise ValueError("export-hf needs transformers: pip install 'kvlm[hf]'")
+    # imported here, once transformers is known to be installed: it is an optional dependency (kvlm[hf])
+    from kvlm.interop.hf import export_hf
+
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    out = export_hf(args.checkpoint, args.out, remote_code=not args.no_remote_code, dtype=dtype)
+    files = sorted(p.name for p in out.iterdir())
+    if args.json:
+        print(json.dumps({"out": str(out), "files": files}))
+    else:
+        print(f"wrote {out}: {', '.join(files)}")
+    return 0

@@ -3,6 +3,13 @@
 Both are byte-level (GPT-2's scheme: every byte maps to a printable symbol before BPE), so any text
 round-trips exactly: decode(encode(text)) == text. Documents are separated by one end-of-text token,
 "<|endoftext|>" (GPT-2's id 50256; id 0 in a BPE trained here).
+
+Special tokens in text: ``encode`` reads its input as ordinary text, so a literal "<|endoftext|>" inside a
+document encodes to the byte-level pieces of those 13 characters, never to the end-of-text id. A document
+therefore cannot inject a document boundary: the only end-of-text ids in prepared data are the ones
+``kvlm prepare`` appends after each document. This is GPT-2 training practice (tiktoken's ``encode`` disallows
+special tokens in raw text); Hugging Face tokenizers, which match special tokens by default, differ here, and
+``encode(text, allow_special=True)`` gives their behaviour where a caller writes the marker on purpose.
 """
 
 from __future__ import annotations
@@ -10,6 +17,9 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable
 from pathlib import Path
+
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer as HFTokenizer
 
 EOS_TOKEN = "<|endoftext|>"
 
@@ -29,18 +39,31 @@ class Tokenizer:
         if eos_id is None:
             raise TokenizerError(f"tokenizer has no end-of-text token {eos_token!r}")
         self.eos_id: int = eos_id
+        self._text_encoder = None  # built on first use by _encoder
 
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=False).ids
+    def _encoder(self, allow_special: bool):
+        """The backend that encodes: as is (special tokens matched), or a copy of it that reads special tokens
+        as ordinary text (``encode_special_tokens``; a copy, so the backend handed to others is unchanged)."""
+        if allow_special:
+            return self.backend
+        if self._text_encoder is None:
+            self._text_encoder = HFTokenizer.from_str(self.backend.to_str())
+            self._text_encoder.encode_special_tokens = True
+        return self._text_encoder
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+    def encode(self, text: str, allow_special: bool = False) -> list[int]:
+        """Token ids of ``text``; a literal special token is ordinary text unless ``allow_special``."""
+        return self._encoder(allow_special).encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str], allow_special: bool = False) -> list[list[int]]:
+        enc = self._encoder(allow_special)
         # encode_batch_fast (tokenizers >= 0.21) skips the character offsets we do not use
-        enc = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
-        return [e.ids for e in enc(texts, add_special_tokens=False)]
+        encode = getattr(enc, "encode_batch_fast", enc.encode_batch)
+        return [e.ids for e in encode(texts, add_special_tokens=False)]
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=False)
@@ -65,9 +88,6 @@ class Tokenizer:
 
 
 def _byte_level(model):
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import decoders, pre_tokenizers
-
     tok = HFTokenizer(model)
     # add_prefix_space=False keeps the text unchanged, so decoding gives back exactly the input
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -78,8 +98,6 @@ def _byte_level(model):
 def train_bpe(texts: Iterable[str], vocab_size: int = 4096, eos_token: str = EOS_TOKEN) -> Tokenizer:
     """Train a byte-level BPE of (at most) `vocab_size` tokens, including the 256 byte symbols and the
     end-of-text token. A small corpus can run out of merges first: then the vocabulary is smaller."""
-    from tokenizers import models, pre_tokenizers, trainers
-
     if vocab_size < 257:
         raise TokenizerError(
             f"vocab_size={vocab_size} is too small: byte-level BPE needs 256 bytes + end-of-text"
@@ -98,8 +116,6 @@ def train_bpe(texts: Iterable[str], vocab_size: int = 4096, eos_token: str = EOS
 def gpt2_tokenizer(folder: str | Path = "gpt2") -> Tokenizer:
     """GPT-2's BPE from a folder with vocab.json and merges.txt (or tokenizer.json). The name "gpt2"
     (no such folder) fetches GPT-2's tokenizer from the Hugging Face hub, which needs a network."""
-    from tokenizers import AddedToken, models
-
     path = Path(folder)
     if path.is_dir() and (path / "tokenizer.json").is_file():
         tok = load_tokenizer(path / "tokenizer.json")
@@ -118,8 +134,6 @@ def gpt2_tokenizer(folder: str | Path = "gpt2") -> Tokenizer:
         tok.add_special_tokens([AddedToken(EOS_TOKEN, special=True, normalized=False)])
         return Tokenizer(tok, EOS_TOKEN, kind="gpt2")
     if str(folder) == "gpt2":
-        from tokenizers import Tokenizer as HFTokenizer
-
         try:
             return Tokenizer(HFTokenizer.from_pretrained("gpt2"), EOS_TOKEN, kind="gpt2")
         except Exception as e:
@@ -131,8 +145,6 @@ def gpt2_tokenizer(folder: str | Path = "gpt2") -> Tokenizer:
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
     """tokenizer.json (or a folder holding it, or a folder with GPT-2's vocab.json + merges.txt)."""
-    from tokenizers import Tokenizer as HFTokenizer
-
     path = Path(path)
     if path.is_dir():
         if (path / "tokenizer.json").is_file():

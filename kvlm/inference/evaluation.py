@@ -12,21 +12,23 @@ semicoherent but highly repetitive text" and then random tokens. Two cheap signa
 sampled continuation and averaged: distinct-n = unique n-grams / n-grams (Li et al. 2016; low = repetitive)
 and rep-n = fraction of n-grams that already occurred earlier in the same continuation (Welleck et al.
 2019's seq-rep-n; high = loops).
+
+lm-evaluation-harness tasks run through the adapter in ``kvlm.interop.lm_eval`` (``kvlm eval --tasks``).
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import json
 import math
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from kvlm.data.prepared import load_prepared
+from kvlm.inference.generation import generate
 
 DEFAULT_PROMPTS = (
     "Once upon a time",
@@ -169,8 +171,6 @@ def sample_continuations(
 ) -> tuple[list[str], list[list[int]]]:
     """n_samples continuations, prompts taken in turn, sampled in one batch with a fixed seed; they run
     to max_new_tokens (no stop at end-of-text) so that every sample has the same length."""
-    from kvlm.inference.generation import generate
-
     chosen = [prompts[i % len(prompts)] for i in range(n_samples)]
     ids = [tokenizer.encode(p) or [tokenizer.eos_id] for p in chosen]
     limit = model.cfg.max_seq_len - max(len(i) for i in ids)
@@ -218,8 +218,6 @@ def load_eval_tokens(path: str | Path, tokenizer=None, max_tokens: int | None = 
 
 
 def _prepared_tokens(folder: Path, split: str, max_tokens: int | None, tokenizer=None):
-    from kvlm.data.prepare import load_prepared
-
     data = load_prepared(folder)
     if split not in ("train", "val"):
         raise EvalError(f"unknown split {split!r}; a prepared data folder has 'train' and 'val'")
@@ -249,91 +247,12 @@ def default_data(meta: dict, checkpoint: str | Path | None = None) -> str | None
     return next((str(c) for c in candidates if (c / "meta.json").is_file()), None)
 
 
-# --- lm-evaluation-harness ------------------------------------------------------------------------------
-def run_tasks(model, tokenizer, tasks: list[str], limit: int | None = None, batch_size: int = 8) -> dict:
-    """Delegate to the lm-eval adapter (kvlm.interop.lm_eval or kvlm.interop.hf), loaded only when asked for."""
-    if importlib.util.find_spec("lm_eval") is None:
-        raise EvalError("--tasks needs lm-evaluation-harness: pip install 'lm-eval>=0.4.5' (or kvlm[eval])")
-    for name in ("kvlm.interop.lm_eval", "kvlm.interop.hf"):
-        try:
-            mod = importlib.import_module(name)
-        except ModuleNotFoundError as e:
-            if e.name != name:
-                raise
-            continue
-        fn = getattr(mod, "run_lm_eval", None)
-        if fn is not None:
-            return fn(model, tokenizer, tasks, limit=limit, batch_size=batch_size)
-    raise EvalError("--tasks: no lm-eval adapter in this build (kvlm.interop.lm_eval.run_lm_eval)")
-
-
-# --- command line ---------------------------------------------------------------------------------------
-def add_arguments(p) -> None:
-    p.add_argument("checkpoint", help="checkpoint folder")
-    p.add_argument("--data", default=None,
-                   help="prepared data folder or raw .txt/.jsonl file (default: the data recorded in the checkpoint)")  # fmt: skip
-    p.add_argument("--split", default="val", help="split of a prepared data folder (default val)")
-    p.add_argument(
-        "--seq-len", type=int, default=None, help="window length (default: the model's max_seq_len)"
-    )
-    p.add_argument("--stride", type=int, default=None, help="sliding windows (default: seq-len, no overlap)")
-    p.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens")
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--samples", type=int, default=8, help="sampled continuations for repetition (0: none)")
-    p.add_argument("--prompts", nargs="+", default=None, help="prompts for the samples (default: fixed set)")
-    p.add_argument("--sample-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tasks", nargs="+", default=None, help="lm-evaluation-harness tasks (needs lm-eval)")
-    p.add_argument("--limit", type=int, default=None, help="lm-eval: examples per task")
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                   help="default: bfloat16 on cuda, float32 on cpu")  # fmt: skip
-    p.add_argument("--json", action="store_true", help="the last stdout line is a JSON object")
-
-
-def main(args) -> int:
-    from kvlm.checkpoint import load_checkpoint
-
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else None)
-    model, tokenizer, meta = load_checkpoint(args.checkpoint, device=device, dtype=dtype)
-    result: dict = {"checkpoint": str(args.checkpoint), "attention": model.cfg.attention}
-    data = args.data or default_data(meta, args.checkpoint)
-    if data is not None:
-        tokens = load_eval_tokens(data, tokenizer, args.max_tokens, args.split)
-        ppl = perplexity(model, tokens, args.seq_len, args.batch_size, args.stride)
-        result["perplexity"] = {"data": str(data), **ppl}
-        _say(args, f"perplexity {ppl['perplexity']:.3f} (loss {ppl['loss']:.4f}) over {ppl['tokens']} tokens, "
-             f"windows of {ppl['seq_len']} stride {ppl['stride']}")  # fmt: skip
-    if args.samples > 0:
-        if tokenizer is None:
-            raise EvalError("--samples needs the checkpoint's tokenizer (no tokenizer.json); use --samples 0")
-        prompts, out = sample_continuations(
-            model, tokenizer, args.prompts or DEFAULT_PROMPTS, args.samples, args.sample_tokens,
-            args.temperature, args.top_k, args.top_p, args.seed,
-        )  # fmt: skip
-        rep = repetition_metrics(out)
-        texts = [tokenizer.decode(o) for o in out]
-        result["repetition"] = {**rep, "temperature": args.temperature, "seed": args.seed}
-        result["samples"] = [{"prompt": p, "text": t} for p, t in zip(prompts, texts)]
-        _say(args, "repetition over {} samples: ".format(rep["sequences"]) + ", ".join(
-            f"{k} {v:.3f}" for k, v in rep.items() if k.startswith(("distinct", "rep")) and v is not None))  # fmt: skip
-        for p, t in list(zip(prompts, texts))[:2]:
-            _say(args, f"  sample: {p!r} -> {t[:160]!r}")
-    if args.tasks:
-        result["tasks"] = run_tasks(model, tokenizer, args.tasks, args.limit)
-        _say(args, f"tasks: {json.dumps(result['tasks'])}")
-    if len(result) == 2:
-        raise EvalError(
-            "nothing to evaluate: no --data (and none recorded in the checkpoint), --samples 0, no --tasks"
-        )
-    if args.json:
-        print(json.dumps(result))
-    return 0
-
-
-def _say(args, line: str) -> None:
-    print(line, file=sys.stderr if args.json else sys.stdout)
+__all__ = [
+    "DEFAULT_PROMPTS",
+    "EvalError",
+    "default_data",
+    "load_eval_tokens",
+    "perplexity",
+    "repetition_metrics",
+    "sample_continuations",
+]

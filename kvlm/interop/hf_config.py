@@ -1,7 +1,7 @@
 """``KVLMConfig``: the transformers configuration class of kvlm models (see kvlm.interop.hf_modeling).
 
 Kept apart from the model class so that registering it with ``AutoConfig`` imports only transformers'
-configuration code, not its modeling code. Copied into ``kvlm export-hf`` folders as ``configuration_kvlm.py``.
+configuration code, not its modeling code. Copied into ``kvlm export-hf`` folders (kvlm.interop.remote_code).
 """
 
 from __future__ import annotations

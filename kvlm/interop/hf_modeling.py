@@ -9,8 +9,9 @@ Batches are left-padded (``tokenizer.padding_side = "left"``): the attention mas
 cache's left padding (``KVCache.set_left_padding``) and kvlm derives positions from it. Right padding is
 accepted only without a cache (causal attention never looks right, so real tokens are unaffected).
 
-This file is also copied, with its kvlm imports made relative, into every ``kvlm export-hf`` folder as
-``modeling_kvlm.py`` (see ``kvlm.interop.hf``), so it may import only torch, transformers and kvlm's core modules.
+This file is also copied, with its kvlm imports made relative, into every ``kvlm export-hf`` folder (see
+``kvlm.interop.remote_code``), so it may import only torch, transformers and kvlm's core modules, and it has no
+import-time side effects: registration with the Auto classes is ``kvlm.interop.hf``'s.
 Written for transformers 5 (causal LMs inherit ``GenerationMixin`` explicitly; the config, in kvlm.interop.hf_config,
 subclasses ``PreTrainedConfig``, ``PretrainedConfig`` on 4.x).
 """

@@ -12,7 +12,7 @@ Three ways to run the CLI on kvlm checkpoints:
     python -m kvlm.interop.lm_eval --model kvlm --model_args checkpoint=CKPT --tasks winogrande_local --limit 40
         (this module registers "kvlm", then runs lm_eval's CLI with the same arguments; kvlm's example task
         folder is added to --include_path when it exists)
-    kvlm eval CKPT --tasks winogrande_local --limit 40                     (kvlm.inference.evaluation calls run_lm_eval)
+    kvlm eval CKPT --tasks winogrande_local --limit 40                     (kvlm.cli.eval calls run_lm_eval)
     kvlm export-hf CKPT OUT; lm_eval --model hf --model_args pretrained=OUT,trust_remote_code=True ...
         (plain lm_eval, no kvlm import needed: the exported folder carries its code)
 

@@ -1,5 +1,5 @@
 """Shared pieces of the reference implementations: RoPE from its definition, causal softmax attention,
-the output gate and W_O."""
+the output gate and W_O. Structure (gate, biases, norms) follows ``m.cfg``; only weights come from the module."""
 
 from __future__ import annotations
 
@@ -30,19 +30,26 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 
 
 def output(module, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """o (B, T, H, Dv) -> W_O [o_1; ...; o_H], gated by sigmoid(x W_G) when the module has a gate."""
+    """o (B, T, H, Dv) -> W_O [o_1; ...; o_H], gated by sigmoid(x W_G) with cfg.gated (mlra.md Appendix E)."""
+    cfg = module.cfg
     B, T = o.shape[:2]
     o = o.reshape(B, T, -1)
-    if module.gate is not None:
-        o = o * torch.sigmoid(
-            x @ module.gate.weight.T + (module.gate.bias if module.gate.bias is not None else 0)
-        )
-    return o @ module.wo.weight.T + (module.wo.bias if module.wo.bias is not None else 0)
+    if cfg.gated:
+        o = o * torch.sigmoid(linear(module.gate, x, bias=cfg.bias))
+    return linear(module.wo, o, bias=cfg.bias)
 
 
-def linear(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    y = x @ module.weight.T
-    return y + module.bias if module.bias is not None else y
+def linear(layer: torch.nn.Linear, x: torch.Tensor, bias: bool | None = None) -> torch.Tensor:
+    """x W^T (+ b). bias: whether the config gives this projection a bias (then the module must hold one);
+    None takes whatever the module holds."""
+    y = x @ layer.weight.T
+    if bias is None:
+        bias = layer.bias is not None
+    if bias:
+        if layer.bias is None:
+            raise AssertionError("the config asks for a bias that the module under test did not build")
+        y = y + layer.bias
+    return y
 
 
 def low_rank_query(m, x: torch.Tensor) -> torch.Tensor:
@@ -50,13 +57,13 @@ def low_rank_query(m, x: torch.Tensor) -> torch.Tensor:
     weights named wq_a / q_norm / wq_b / wq as in the MFA, GLA and MLRA modules."""
     cfg = m.cfg
     if not cfg.q_lora_rank:
-        return linear(m.wq, x)
-    c_q = linear(m.wq_a, x)
+        return linear(m.wq, x, bias=cfg.bias)
+    c_q = linear(m.wq_a, x, bias=cfg.bias)
     if cfg.latent_norm:
         c_q = rms_norm(c_q, m.q_norm.weight, cfg.norm_eps)
     if cfg.latent_scaling:
         c_q = c_q * math.sqrt(cfg.d_model / cfg.q_lora_rank)
-    return linear(m.wq_b, c_q)
+    return linear(m.wq_b, c_q, bias=cfg.bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """EG-MLA from eg-mla.md Appendix C (Eqs. 1-14): MLA with the joint up-projection gated by a per-layer token
-embedding, LN(W^UKV c^KV * W^UE Emb(i)), split per head as Listing 1."""
+embedding, LN(W^UKV c^KV * W^UE Emb(i)), split per head as Listing 1. Structure (eg_op, eg_norm, biases) from
+``m.cfg``; W^UKV is the module's wkv_b (rows of head i: [key; value])."""
 
 from __future__ import annotations
 
@@ -15,8 +16,7 @@ from kvlm.reference.mla import mla_latents, mla_query
 def layer_norm(x, ln, eps):
     mu = x.mean(-1, keepdim=True)
     var = (x - mu).pow(2).mean(-1, keepdim=True)
-    y = (x - mu) / torch.sqrt(var + eps) * ln.weight
-    return y + ln.bias if ln.bias is not None else y
+    return (x - mu) / torch.sqrt(var + eps) * ln.weight + ln.bias
 
 
 @register("eg-mla")
@@ -25,9 +25,9 @@ def eg_mla_reference(m, x, positions, token_ids):
     B, T, _ = x.shape
     h, dh, dr = cfg.n_head, cfg.head_dim, cfg.rope_head_dim
     c_kv, _, k_r = mla_latents(m, x, positions)  # Eqs. 1, 10
-    kv = linear(m.w_ukv, c_kv)  # Eq. 2
+    kv = linear(m.wkv_b, c_kv, bias=cfg.bias)  # Eq. 2
     e = m.emb_gate.kv_emb.weight[token_ids]  # Eq. 3
-    g = linear(m.emb_gate.w_ue, e)  # Eq. 4
+    g = linear(m.emb_gate.w_ue, e, bias=cfg.bias)  # Eq. 4
     kv = kv + g if cfg.eg_op == "add" else kv * g
     if cfg.eg_norm:
         kv = layer_norm(kv, m.ln_emb, cfg.norm_eps)  # Eq. 5

@@ -15,11 +15,11 @@ def gta_reference(m, x, positions):
     cfg = m.cfg
     B, T, _ = x.shape
     h, g, dh, dr = cfg.n_head, cfg.n_kv_head, cfg.head_dim, cfg.rope_head_dim
-    q = linear(m.wq, x).view(B, T, h, dh)  # Q~
-    V = linear(m.wkv, x).view(B, T, g, dh).repeat_interleave(h // g, dim=2)
+    q = linear(m.wq, x, bias=cfg.bias).view(B, T, h, dh)  # Q~
+    V = linear(m.wkv, x, bias=cfg.bias).view(B, T, g, dh).repeat_interleave(h // g, dim=2)
     if dr:
         q = torch.cat([q[..., : dh - dr], rope(q[..., dh - dr :], positions, cfg.rope_theta)], dim=-1)
-        k_rope = rope(linear(m.wk_rope, x), positions, cfg.rope_theta)  # (B, T, d_h^R)
+        k_rope = rope(linear(m.wk_rope, x, bias=cfg.bias), positions, cfg.rope_theta)  # (B, T, d_h^R)
         K = torch.cat([V[..., : dh - dr], k_rope[:, :, None].expand(B, T, h, dr)], dim=-1)
     else:
         K = V  # no RoPE part: the whole key is tied to the value

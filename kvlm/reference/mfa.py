@@ -15,8 +15,8 @@ def mfa_reference(m, x, positions):
     h, dh = cfg.n_head, cfg.head_dim
     q = low_rank_query(m, x)
     q = q.view(B, T, h, dh)
-    k = linear(m.wk, x).view(B, T, 1, dh)
-    v = linear(m.wv, x).view(B, T, 1, dh)
+    k = linear(m.wk, x, bias=cfg.bias).view(B, T, 1, dh)
+    v = linear(m.wv, x, bias=cfg.bias).view(B, T, 1, dh)
     if cfg.rope:
         q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
     K, V = k.expand(B, T, h, dh), v.expand(B, T, h, dh)  # RepeatInterleave(K^C, h)

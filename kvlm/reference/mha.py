@@ -13,9 +13,9 @@ def mha_reference(m, x, positions):
     cfg = m.cfg
     B, T, _ = x.shape
     h, g, dh = cfg.n_head, cfg.n_kv_head, cfg.head_dim
-    q = linear(m.wq, x).view(B, T, h, dh)
-    k = linear(m.wk, x).view(B, T, g, dh)
-    v = linear(m.wv, x).view(B, T, g, dh)
+    q = linear(m.wq, x, bias=cfg.bias).view(B, T, h, dh)
+    k = linear(m.wk, x, bias=cfg.bias).view(B, T, g, dh)
+    v = linear(m.wv, x, bias=cfg.bias).view(B, T, g, dh)
     if cfg.rope:
         q, k = rope(q, positions, cfg.rope_theta), rope(k, positions, cfg.rope_theta)
     k = k.repeat_interleave(h // g, dim=2)

@@ -1,7 +1,8 @@
 """GLA (mlra.md App. C.6) and MLRA-2 / MLRA-4 (Eq. 5, 6, 9, 10), head by head as the paper writes them.
 
-Weights come from the fast module; the only convention shared with it is how the up-projections are stored:
-``w_uk[b, j]`` is (W^UK_(b),(i))^T and ``w_uv[b, j]`` is W^UV_(b),(i), for the j-th head served by latent block b.
+Structure (low-rank query, norms, biases, gate, scaling) comes from ``m.cfg``; only the weights come from the fast
+module, cut out of its fused parameters (kvlm/attention/latent.py): ``wkv_b.weight[b]`` holds, for the j-th head
+served by latent block b, the rows [(W^UK_(b),(i))^T (d_h rows); (W^UV_(b),(i))^T (d_h rows)].
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def latent_blocks(m, x, positions, n_blocks):
     cfg = m.cfg
     dc, dr = cfg.kv_lora_rank, cfg.rope_head_dim
     d_lat = dc // n_blocks
-    kv = linear(m.wkv_a, x)
+    kv = linear(m.wkv_a, x, bias=cfg.bias)
     alpha_kv = math.sqrt(cfg.d_model / d_lat) if cfg.latent_scaling else 1.0
     blocks = []
     for b in range(n_blocks):
@@ -41,6 +42,13 @@ def latent_blocks(m, x, positions, n_blocks):
         blocks.append(alpha_kv * c_b)
     k_rope = rope(kv[..., dc:], positions, cfg.rope_theta) if dr else kv[..., dc:]
     return blocks, k_rope
+
+
+def up_projections(m, n_blocks):
+    """W^UK_(b),(i)^T and W^UV_(b),(i)^T of the j-th head of block b: two (n_blocks, r, d_h, d_lat) tensors."""
+    cfg = m.cfg
+    w = m.wkv_b.weight.view(n_blocks, -1, 2, cfg.head_dim, cfg.kv_lora_rank // n_blocks)
+    return w[:, :, 0], w[:, :, 1]
 
 
 @register("gla-2", "gla-4")
@@ -53,10 +61,11 @@ def gla_reference(m, x, positions):
     r = h // g
     q = mla_query(m, x, positions)
     C, k_rope = latent_blocks(m, x, positions, g)
+    w_uk, w_uv = up_projections(m, g)
     keys, values = [], []
     for j in range(g):
-        W_UK = m.w_uk[j].permute(2, 0, 1).reshape(-1, r * dh)  # (d_c/g, r d_h): head columns side by side
-        W_UV = m.w_uv[j].permute(1, 0, 2).reshape(-1, r * dh)
+        W_UK = w_uk[j].permute(2, 0, 1).reshape(-1, r * dh)  # (d_c/g, r d_h): head columns side by side
+        W_UV = w_uv[j].permute(2, 0, 1).reshape(-1, r * dh)
         k_nope = (C[j] @ W_UK).view(B, T, r, dh)
         keys.append(torch.cat([k_nope, k_rope[:, :, None].expand(B, T, r, dr)], dim=-1))
         values.append((C[j] @ W_UV).view(B, T, r, dh))
@@ -73,6 +82,7 @@ def mlra_reference(m, x, positions):
     h, dh, dr = cfg.n_head, cfg.head_dim, cfg.rope_head_dim
     q = mla_query(m, x, positions)
     C, k_rope = latent_blocks(m, x, positions, 4)
+    w_uk, w_uv = up_projections(m, 4)
     tau = 1 / math.sqrt(dh + dr)
     if cfg.attention == "mlra-4":
         branches = {i: [(b, i) for b in range(4)] for i in range(h)}  # (block, index of head i within block)
@@ -87,8 +97,8 @@ def mlra_reference(m, x, positions):
     for i in range(h):
         o_i = 0
         for b, j in branches[i]:
-            k_nope = C[b] @ m.w_uk[b, j].T  # C_b W^UK_(b),i
-            v = C[b] @ m.w_uv[b, j]  # C_b W^UV_(b),i
+            k_nope = C[b] @ w_uk[b, j].T  # C_b W^UK_(b),i
+            v = C[b] @ w_uv[b, j].T  # C_b W^UV_(b),i
             k = torch.cat([k_nope, k_rope], dim=-1)
             o_i = o_i + causal_attention(q[:, :, i : i + 1], k[:, :, None], v[:, :, None], tau)[:, :, 0]
         heads.append(alpha_attn * o_i)

@@ -16,7 +16,7 @@ def tpa_reference(m, x, positions):
     cfg = m.cfg
     B, T, _ = x.shape
     h, dh, bq, bkv = cfg.n_head, cfg.head_dim, cfg.tpa_q_rank, cfg.tpa_kv_rank
-    a, c = linear(m.w_a, x), linear(m.w_c, x)
+    a, c = linear(m.w_a, x, bias=cfg.bias), linear(m.w_c, x, bias=cfg.bias)
     QA, KA, VA = a.split([bq * h, bkv * h, bkv * h], dim=-1)
     QC, KC, VC = c.split([bq * dh, bkv * dh, bkv * dh], dim=-1)
     QA, KA, VA = QA.view(B, T, bq, h), KA.view(B, T, bkv, h), VA.view(B, T, bkv, h)

@@ -36,7 +36,7 @@ def run(fn, world: int, out: str, *args) -> list[dict]:
         import torch._dynamo  # noqa: F401  (DistributedDataParallel imports it on first use: seconds)
 
         import kvlm.inference.generation  # noqa: F401
-        import kvlm.parallel.tensor_parallel  # noqa: F401
+        import kvlm.parallel  # noqa: F401
         from kvlm.attention import registry
 
         registry()
@@ -95,7 +95,7 @@ def tp_cases(rank, world, cases):
     incremental decode), greedy generation (ragged prompts), and what this rank's cache holds. Extra checks:
     "modes" decodes in every attention mode, "sample" also compares seeded sampling."""
     from kvlm.inference.generation import generate
-    from kvlm.parallel.tensor_parallel import kv_elements_per_token, shard_model, tp_plan
+    from kvlm.parallel import kv_elements_per_token, shard_model, tp_plan
 
     results = {}
     for attention, overrides, extra in cases:
@@ -140,7 +140,7 @@ def ep_cases(rank, world, cases):
 
     import torch.nn.functional as F
 
-    from kvlm.parallel.tensor_parallel import (
+    from kvlm.parallel import (
         GateExchange,
         ShardedGateEmbedding,
         clip_grad_norm,
@@ -235,7 +235,7 @@ def dp_cases(rank, world, cases):
     """Data-parallel attention: rank r serves its own requests (prompts of other lengths than the other
     ranks'); its logits and greedy tokens must be those one process gets for the same requests."""
     from kvlm.inference.generation import generate
-    from kvlm.parallel.tensor_parallel import shard_model
+    from kvlm.parallel import shard_model
 
     results = {}
     for attention, overrides in cases:
@@ -265,3 +265,59 @@ def dp_cases(rank, world, cases):
 
 def all_checks(rank, world, tp, ep, dp):
     return {"tp": tp_cases(rank, world, tp), "ep": ep_cases(rank, world, ep), "dp": dp_cases(rank, world, dp)}
+
+
+def fsdp_checks(rank, world, out):
+    """FSDP2 (kvlm.parallel.wrap_fsdp): two AdamW steps, each rank on its part of the global batch, against one
+    process on the whole batch; then a sharded checkpoint (torch.distributed.checkpoint) saved, loaded into a
+    differently initialised FSDP2 model and optimizer, and one more step on both."""
+    import torch.nn.functional as F
+
+    from kvlm.parallel import full_model_state, init_distributed, load_sharded, save_sharded, wrap_fsdp
+
+    ctx = init_distributed("cpu", mesh_dim="dp")
+    cfg = _tiny("mla", {"n_layer": 2, "q_lora_rank": 32})
+    B, T = 2, 10
+    tokens = torch.randint(0, cfg.vocab_size, (world * B, T + 1), generator=torch.Generator().manual_seed(2))
+    mine = tokens[rank * B : (rank + 1) * B]
+
+    def steps(model, opt, batch, n):
+        for _ in range(n):
+            F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten()).backward()
+            opt.step()
+            opt.zero_grad()
+
+    ref = _model(cfg).train()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    steps(ref, ref_opt, tokens, 2)
+    ref_state = {n: t.clone() for n, t in ref.state_dict().items()}
+
+    model = wrap_fsdp(_model(cfg).train(), ctx)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    steps(model, opt, mine, 2)
+    r = {
+        "local_numel": sum(p.to_local().numel() for p in model.parameters()),
+        "numel": sum(p.numel() for p in ref.parameters()),
+    }
+    full = full_model_state(model)  # rank 0 only
+    if rank == 0:
+        r["train_err"] = max((full[n] - t).abs().max().item() for n, t in ref_state.items())
+    save_sharded(os.path.join(out, "sharded"), model, opt)
+
+    other = _model(cfg).train()
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(1.0)  # not the saved weights
+    other = wrap_fsdp(other, ctx)
+    other_opt = torch.optim.AdamW(other.parameters(), lr=1e-2)
+    load_sharded(os.path.join(out, "sharded"), other, other_opt)
+    steps(model, opt, mine, 1)
+    steps(other, other_opt, mine, 1)
+    r["resume_err"] = max(
+        (a.full_tensor() - b.full_tensor()).abs().max().item()
+        for a, b in zip(model.parameters(), other.parameters())
+    )
+    steps(ref, ref_opt, tokens, 1)
+    r["ref_after_3"] = {n: t.clone() for n, t in ref.state_dict().items()} if rank == 0 else None
+    r["ref_after_2"] = ref_state if rank == 0 else None
+    return r
