@@ -23,13 +23,13 @@ from kvlm.checkpoint import load_checkpoint, save_checkpoint
 from kvlm.config import ConfigError, ModelConfig
 from kvlm.inference.generation import generate
 from kvlm.model import KVLM, build_model, count_parameters
-from kvlm.presets import presets as _preset_names
+from kvlm.preset_table import presets as _preset_names
 
 __version__ = "0.1.0"
 
 
 def presets() -> list[str]:
-    """Names accepted by kvlm.presets.get_preset."""
+    """Names accepted by kvlm.preset_table.get_preset."""
     return _preset_names()
 
 

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from kvlm.config import ConfigError, ModelConfig, spec_numel
-from kvlm.presets import (
+from kvlm.preset_table import (
     canonical_name,
     count_parameters_cached,
     families,

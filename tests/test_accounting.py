@@ -14,7 +14,7 @@ from kvlm.accounting import (
     select,
 )
 from kvlm.cli.kv_table import add_arguments, main
-from kvlm.presets import families, get_preset
+from kvlm.preset_table import families, get_preset
 
 # --- eg-mla.md Appendix F, Table 10: KV cache / token (#element) -----------------------------------------
 

@@ -165,6 +165,7 @@ def test_fit_to_budget_times_fewer_steps_only_when_slow():
     assert fit_to_budget(10.0, 2, 6, 30.0) == (0, 3)
     assert fit_to_budget(60.0, 2, 6, 30.0) == (0, 3)  # never fewer than 3
     assert fit_to_budget(60.0, 2, 6, None) == (2, 6)
+    assert fit_to_budget(60.0, 1, 2, 30.0) == (0, 2)  # never more than asked: the cache has room for no more
 
 
 def test_summarize_and_peak_memory():
@@ -232,6 +233,9 @@ def test_operation_roofline_by_hand():
         8e6 / 4_001_000
     )
     assert ops["LM head"]["floor_ms"] == pytest.approx(0.2)
+    # a mechanism that does not count its FLOPs: the bandwidth floor alone, no intensity
+    uncounted = operation_roofline({"attention": {"bytes": 3_000_000, "flops": None}}, HW)["attention"]
+    assert uncounted["floor_ms"] == pytest.approx(0.3) and uncounted["flops_per_byte"] is None
 
 
 def test_weight_classes_and_attention_cost_by_hand():

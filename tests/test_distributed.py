@@ -2,6 +2,8 @@
 
 Multi-process tests run real torch.distributed groups (gloo, one thread per rank) of 2 and 4 ranks; each
 world is started once and checks every mechanism, so a failure message lists every case that failed.
+Each mechanism declares its split (``Attention.tp_plan``): torch's ColwiseParallel / RowwiseParallel (DTensor) for
+contiguous head splits, slicing rules for the rest; the runs check that the declared submodules hold DTensors.
 The per-device KV of mlra.md Table 1 is checked without processes: sharding needs no process group, and on
 the meta device the paper-size layers cost nothing."""
 
@@ -21,7 +23,7 @@ from kvlm.parallel import (
     shard_gate_embeddings,
     shard_model,
 )
-from kvlm.presets import get_preset
+from kvlm.preset_table import get_preset
 
 # mlra.md Table 1: KV cache loaded per token per device, in units of d_h, at 1 / 2 / 4 / 8 devices.
 # Typed from the paper (Qwen3-32B / Kimi-K2 shapes: 64 heads, d_h = 128, g = 8, d_c = 4 d_h, d_h^R = d_h / 2).
@@ -153,6 +155,11 @@ def _check_tp(world, results, cases):
                 )
             if r["cache_nbytes"] != r["cache_tokens"] * want * 8:  # float64
                 bad.append(f"{key} rank {rank}: allocated {r['cache_nbytes']} bytes")
+            got, declared, ffn_on_dtensor = r["dtensor"]
+            if got != declared or not ffn_on_dtensor:
+                bad.append(
+                    f"{key} rank {rank}: DTensor weights {got}, declared {declared}, FFN {ffn_on_dtensor}"
+                )
         # the ranks' shards cover every query head; for latent blocks every block
         plans = [r["plan"][0] for r in per_rank]
         cfg = tiny_config(attention, **overrides)
@@ -233,6 +240,26 @@ def test_shard_errors_name_the_problem():
         shard_model(build_model(tiny_config("mha")), 2, 2)
     with pytest.raises(ConfigError, match="no gating embedding tables"):
         shard_gate_embeddings(build_model(tiny_config("mla")), 0, 2)
+
+
+def test_contiguous_splits_are_declared_with_torch_styles():
+    """MHA/GQA, GTA, MFA and TPA's output run on torch's ColwiseParallel / RowwiseParallel (DTensor); the latent
+    family's absorbed routes read their weights in the rank's geometry, so their plans are slices."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    def styles(attention, **overrides):
+        cfg = tiny_config(attention, gated=True, **overrides)
+        plan = get_attention_class(attention)(cfg, 0).tp_plan(0, 2)
+        return {m: type(s) for m, s in plan.get("parallelize", {}).items()}
+
+    col, row = ColwiseParallel, RowwiseParallel
+    assert styles("gqa", n_kv_head=2) == {"wq": col, "wk": col, "wv": col, "gate": col, "wo": row}
+    assert styles("mqa") == {"wq": col, "gate": col, "wo": row}  # the one KV head: replicated, sliced
+    assert styles("gta", n_kv_head=2) == {"wq": col, "wkv": col, "gate": col, "wo": row}
+    assert styles("mfa", q_lora_rank=32) == {"wq_b": col, "gate": col, "wo": row}
+    assert styles("tpa") == {"gate": col, "wo": row}  # W^A's rows are interleaved: sliced
+    for attention in ("mla", "eg-mla", "gla-2", "mlra-4"):
+        assert styles(attention) == {}, attention
 
 
 def test_tp_degree_must_match_the_launch(monkeypatch):

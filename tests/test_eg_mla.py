@@ -156,9 +156,11 @@ def test_absorbed_mode_runs_rebuild_with_a_warning():
     trace = []
     with pytest.warns(UserWarning, match="no absorbed route"):
         cache = model.new_cache(1, 8)
-        absorbed = torch.cat([model(tokens[:, :5], cache=cache, mode="absorbed", trace=trace)] + [
-            model(tokens[:, t : t + 1], cache=cache, mode="absorbed", trace=trace) for t in range(5, 8)
-        ], 1)
+        absorbed = torch.cat(
+            [model(tokens[:, :5], cache=cache, mode="absorbed", trace=trace)]
+            + [model(tokens[:, t : t + 1], cache=cache, mode="absorbed", trace=trace) for t in range(5, 8)],
+            1,
+        )
     assert {r for _, r in trace} == {"rebuild"}
     assert (absorbed - model(tokens)).abs().max() < 1e-10
 

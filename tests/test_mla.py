@@ -29,7 +29,8 @@ def _decode(model, tokens, mode, prefill=6, trace=None):
     cache = model.new_cache(tokens.shape[0], tokens.shape[1], naive=(mode == "naive"))
     out = [model(tokens[:, :prefill], cache=cache, mode=mode, trace=trace)]
     out += [
-        model(tokens[:, t : t + 1], cache=cache, mode=mode, trace=trace) for t in range(prefill, tokens.shape[1])
+        model(tokens[:, t : t + 1], cache=cache, mode=mode, trace=trace)
+        for t in range(prefill, tokens.shape[1])
     ]
     return torch.cat(out, 1)
 
@@ -73,7 +74,9 @@ def test_routes_do_what_they_say():
         assert rows == [6, 7, 8, 9, 10]  # the whole cache each step
         rows.clear()
         trace = []
-        _decode(model, tokens, "auto", prefill=2, trace=trace)  # prefill expands; decode absorbs once 4 T <= cached
+        _decode(
+            model, tokens, "auto", prefill=2, trace=trace
+        )  # prefill expands; decode absorbs once 4 T <= cached
         assert rows == [2, 3]
         assert [r for i, r in trace if i == 0] == ["expand", "expand"] + ["absorbed"] * 7
         rows.clear()
@@ -198,7 +201,12 @@ def test_parameters_carry_deepseek_names_and_layouts(q_lora_rank):
     d, h, dh, dr, dc = cfg.d_model, cfg.n_head, cfg.head_dim, cfg.rope_head_dim, cfg.kv_lora_rank
     shapes = {n: tuple(p.shape) for n, p in MLA(cfg, 0).named_parameters()}
     query = (
-        {"wq_a.weight": (24, d), "wq_a.bias": (24,), "q_norm.weight": (24,), "wq_b.weight": (h * (dh + dr), 24)}
+        {
+            "wq_a.weight": (24, d),
+            "wq_a.bias": (24,),
+            "q_norm.weight": (24,),
+            "wq_b.weight": (h * (dh + dr), 24),
+        }
         if q_lora_rank
         else {"wq.weight": (h * (dh + dr), d)}
     )

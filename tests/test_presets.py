@@ -6,7 +6,7 @@ import pytest
 
 import kvlm
 from kvlm import ConfigError, ModelConfig, count_parameters
-from kvlm.presets import families, get_preset, match_ffn_dim, presets
+from kvlm.preset_table import families, get_preset, match_ffn_dim, presets
 
 # mlra.md Appendix F: "# Parameters" (M) and d_f of Tables 7-17 (main), 30-32 (2x heads), 33-37 (gated)
 MLRA_29B = {
@@ -40,7 +40,7 @@ def test_names_and_families():
     for fam, members in fams.items():
         assert members and all(n.startswith(fam + "/") and n in names for n in members)
     assert set(fams["mlra-2.9b"]) == {f"mlra-2.9b/{v}" for v in MLRA_29B}
-    # kvlm.presets() keeps working after the kvlm.presets module has been imported (it is, above)
+    # kvlm.presets() keeps working after the kvlm.preset_table module has been imported (it is, above)
     assert kvlm.presets() == names
 
 

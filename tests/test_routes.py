@@ -17,7 +17,7 @@ import math
 import pytest
 import torch
 from conftest import all_variants, decode_route, tiny_config
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from kvlm import build_model
@@ -50,8 +50,8 @@ COMPRESSED_IDS = [f"{a}[{','.join(f'{k}={v}' for k, v in o.items())}]" for a, o 
 MATERIALISING = {"expand", "naive", "materialised", "plain", "rebuild"}
 
 BATCH = 2
-# S, the cached length a decode step attends over, is prime and larger than every other dimension of these
-# models except the vocabulary (97), so a tensor with S in its size is one that scales with the cache
+# S, the cached length a decode step attends over, is a prime that divides no other size in these models (d = 64,
+# d_h = 16, ffn 192, vocab 97, max_seq_len 64, ...), so a tensor whose size S divides scales with the cache
 CACHED = 19
 
 
@@ -64,7 +64,8 @@ def _model(attention, overrides, dtype=torch.float32):
 
 class AllocationRecorder(TorchDispatchMode):
     """Records (op, shape) of every tensor an op allocates: outputs that share no storage with the op's inputs
-    (views, in-place updates and cache writes allocate nothing)."""
+    (views, in-place updates and cache writes allocate nothing). A tensor subclass such as a tensor-parallel
+    DTensor counts by the plain tensors it wraps (a rank's local shard)."""
 
     def __init__(self):
         super().__init__()
@@ -73,15 +74,22 @@ class AllocationRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        inputs = {
-            t.untyped_storage().data_ptr()
-            for t in tree_flatten((args, kwargs))[0]
-            if isinstance(t, torch.Tensor)
-        }
+        inputs = {id_ for t in tree_flatten((args, kwargs))[0] for _, id_ in _plain(t)}
         for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs:
-                self.allocated.append((str(func), tuple(t.shape)))
+            for plain, id_ in _plain(t):
+                if id_ not in inputs:
+                    self.allocated.append((str(func), tuple(plain.shape)))
         return out
+
+
+def _plain(t) -> list[tuple[torch.Tensor, int]]:
+    """(plain tensor, its storage's address) for a tensor, or for each tensor a wrapper subclass holds."""
+    if not isinstance(t, torch.Tensor):
+        return []
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        return [p for name in names for p in _plain(getattr(t, name))]
+    return [(t, t.untyped_storage().data_ptr())]
 
 
 def kv_heads(cfg) -> int:
@@ -201,6 +209,20 @@ def test_expand_route_does_materialise_per_head_kv(attention, overrides):
     model = _model(attention, overrides)
     allocated = _decode_allocations(model, "expand", 1)
     assert per_head_kv(allocated, model.cfg, BATCH, CACHED), "expand decode built no per-head K/V?"
+
+
+@pytest.mark.parametrize("n_new", [1, 2], ids=["decode", "chunk2"])
+@pytest.mark.parametrize(
+    "attention,overrides", [("mqa", {}), ("gqa", {"n_kv_head": 2}), ("mfa", {"q_lora_rank": 32})]
+)
+def test_grouped_heads_read_shared_kv_in_place(attention, overrides, n_new):
+    """MQA-style decoding: query heads that share a key/value head are folded into its query axis, so no
+    per-query-head copy of the cached K/V, (B, h, S, d_h), is made (repeat_interleave would make one)."""
+    model = _model(attention, overrides)
+    allocated = _decode_allocations(model, "auto", n_new)
+    floor = BATCH * model.cfg.n_head * CACHED * model.cfg.head_dim
+    big = [(op, s) for op, s in allocated if math.prod(s) >= floor and math.prod(s) % CACHED == 0]
+    assert not big, f"decode built per-query-head K/V: {big[:4]}"
 
 
 def test_recorder_sees_views_as_free():

@@ -151,9 +151,7 @@ def test_batch_order_is_a_seeded_permutation(stories):
 def test_vocabulary_and_length_mismatch(stories):
     with pytest.raises(ConfigError, match="vocabulary mismatch"):
         train(tiny(stories, vocab_size=stories.vocab_size - 1), quick(), stories, progress=False)
-    res = train(
-        tiny(stories, vocab_size=64), quick(max_steps=1), stories, progress=False, adapt_vocab=True
-    )
+    res = train(tiny(stories, vocab_size=64), quick(max_steps=1), stories, progress=False, adapt_vocab=True)
     assert res.model_config["vocab_size"] == stories.vocab_size
     with pytest.raises(ConfigError, match="max_seq_len"):
         train(tiny(stories), quick(seq_len=64), stories, progress=False)

@@ -85,9 +85,7 @@ def _worker(rank, world, init_file, data_dir, tmp, cfg, tcfg):
         }
         dist.barrier()
         for name, c in (("resumed-ep", ep_cfg), ("resumed-vanilla", tcfg)):
-            runs[name] = train(
-                None, c, data_dir, tmp / name, resume=tmp / "ep-step2", progress=False
-            )
+            runs[name] = train(None, c, data_dir, tmp / name, resume=tmp / "ep-step2", progress=False)
         if rank == 0:
             out = {
                 k: {"losses": r.losses, "val": r.val_losses, "history": r.history, "step_ms": r.step_time_ms,

@@ -9,6 +9,7 @@ the copy (``-x -p no:xdist``) and records each mutant as
     survived   every test of its subset passed: a hole in the tests, or an equivalent mutant
     timeout    its tests ran past --timeout (counted as killed, reported apart)
     stale      its source line is gone (the code moved): update the mutant
+    unrun      its test subset fails on the unmutated code (baseline), so the mutant would prove nothing
 
 The working tree is never modified, so other people's edits and test runs are safe during a run; within the
 copy each file is restored after its mutant in a ``finally`` (also on Ctrl-C), and checked against its
@@ -27,6 +28,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -48,9 +50,14 @@ ATTENTION = [
     "tests/test_eg_mla.py",
 ]
 MODEL = ["tests/test_attention_contract.py", "tests/test_v1_compat.py", "tests/test_generate.py"]
-CACHE = ["tests/test_attention_contract.py", "tests/test_generate.py", "tests/test_engine_errors.py"]
-ACCOUNTING = ["tests/test_accounting.py", "tests/test_presets.py"]
-COMPARE = ["tests/test_compare.py"]
+CACHE = [
+    "tests/test_attention_contract.py",
+    "tests/test_generate.py",
+    "tests/test_engine_errors.py",
+    "tests/test_boundaries.py",
+]
+ACCOUNTING = ["tests/test_accounting.py", "tests/test_presets.py", "tests/test_boundaries.py"]
+COMPARE = ["tests/test_compare.py", "tests/test_boundaries.py"]
 BENCH = ["tests/test_bench.py"]
 
 
@@ -495,6 +502,10 @@ def apply_and_test(root: Path, mutant: Mutant, timeout: float) -> dict:
     return {**row, "status": status, "seconds": round(seconds, 1), "detail": last}
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -528,6 +539,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(chosen) - len(stale)} of {len(chosen)} mutants apply")
         return 1 if stale else 0
 
+    signal.signal(signal.SIGTERM, _interrupt)  # kill <pid>: restore and report, as Ctrl-C does
     results: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="kvlm-mutants-") as tmp:
         root = Path(tmp) / REPO.name
@@ -536,18 +548,21 @@ def main(argv: list[str] | None = None) -> int:
         if shared.exists():  # the tests find ../shared beside the repository
             (Path(tmp) / "shared").symlink_to(shared)
         before = {mu.path: digest(root / mu.path) for mu in chosen if (root / mu.path).is_file()}
+        broken: set[tuple[str, ...]] = set()  # test subsets the unmutated code already fails
         if not args.no_baseline:
             for tests in dict.fromkeys(mu.tests for mu in chosen):
                 outcome, seconds, last = run_tests(root, tests, args.timeout)
-                print(f"baseline {' '.join(tests)}: {outcome} in {seconds:.0f} s")
+                print(f"baseline {' '.join(tests)}: {outcome} in {seconds:.0f} s", flush=True)
                 if outcome != "passed":
-                    print(
-                        f"  the unmutated code fails these tests ({last}); their mutants would prove nothing"
-                    )
-                    return 2
+                    print(f"  the unmutated code fails these tests ({last}): their mutants are not run")
+                    broken.add(tests)
         try:
             for i, mu in enumerate(chosen, 1):
-                row = apply_and_test(root, mu, args.timeout)
+                if mu.tests in broken:
+                    row = {"id": mu.id, "path": mu.path, "why": mu.why, "tests": list(mu.tests)}
+                    row.update(status="unrun", detail="its tests fail without the mutant")
+                else:
+                    row = apply_and_test(root, mu, args.timeout)
                 results.append(row)
                 took = f" in {row['seconds']:.0f} s" if "seconds" in row else ""
                 print(f"[{i}/{len(chosen)}] {row['status']:8s} {mu.id}{took}", flush=True)
@@ -558,13 +573,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"ERROR: files not restored in the copy: {changed}")
             return 3
 
-    counts = {s: sum(r["status"] == s for r in results) for s in ("killed", "survived", "timeout", "stale")}
+    statuses = ("killed", "survived", "timeout", "stale", "unrun")
+    counts = {s: sum(r["status"] == s for r in results) for s in statuses}
     print("\n" + ", ".join(f"{n} {s}" for s, n in counts.items()) + f" of {len(results)} mutants")
     for r in results:
-        if r["status"] in ("survived", "stale"):
+        if r["status"] in ("survived", "stale", "unrun"):
             print(
                 f"  {r['status']:8s} {r['id']:34s} {r['path']}: {r['why']}"
-                + (f" ({r['detail']})" if r["status"] == "stale" else "")
+                + (f" ({r['detail']})" if r["status"] != "survived" else "")
             )
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")

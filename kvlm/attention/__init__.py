@@ -12,6 +12,10 @@ d_c = kv_lora_rank, d'_c = q_lora_rank, d_h^R = rope_head_dim.
 - ``register`` / ``registry`` / ``get_attention_class`` (registry.py): name -> class. Every module of this
   package is imported on first use, so a new mechanism is a new file; code outside kvlm registers a subclass
   of ``Attention`` the same way and it works with every verb.
+- ``LatentAttention`` (latent.py): the one base of the latent family (MLA, GLA, MLRA and EG-MLA), with
+  DeepSeek-V3's parameter names (``wq`` or ``wq_a``/``q_norm``/``wq_b``, ``wkv_a`` = [c_kv; k_rope], ``kv_norm``,
+  ``wkv_b`` = each head's [k_nope; v], ``wo``), one ``auto`` route rule, ``prepare_for_inference`` (absorbed
+  weights built once) and the upgrade of pre-v2 checkpoints' names; latent_ops.py: attention over latents.
 - rope.py: rotary embeddings. The mechanisms: mha.py (MHA, MQA, GQA), gta.py (GTA), mfa.py (MFA), tpa.py
   (TPA), mla.py (MLA), eg_mla.py (EG-MLA), mlra.py (GLA-2/4, MLRA-2/4).
 

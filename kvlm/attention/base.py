@@ -204,6 +204,54 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, step: Step, cache: CacheLayer | None = None) -> torch.Tensor:
         raise NotImplementedError
 
+    # --- tensor parallelism (applied by kvlm.parallel.tensor_parallel) ---------------------------------
+    def tp_plan(self, rank: int, world: int) -> dict:
+        """How rank `rank` of `world` holds this layer, a dict (kvlm.parallel.tensor_parallel's docstring):
+        "config" (the rank's config fields, e.g. n_head), "parallelize" ({submodule: torch ParallelStyle} for
+        contiguous even splits, run on DTensor), "slices" ({parameter: slicing rule} for the others), "holds"
+        (what the rank holds, for reports), optionally "class_attrs", "inherit", "norms". Default: unsupported."""
+        raise ConfigError(f"tensor-parallel decoding is not implemented for attention {self.cfg.attention!r}")
+
+    @staticmethod
+    def tp_heads(h: int, rank: int, world: int) -> list[int]:
+        """The query heads of `rank` when h heads split evenly across `world` ranks."""
+        require(h % world == 0, f"n_head={h} is not divisible by the tensor-parallel degree {world}")
+        n = h // world
+        return list(range(rank * n, (rank + 1) * n))
+
+    @staticmethod
+    def tp_groups(h: int, g: int, rank: int, world: int) -> tuple[list[int], list[int]]:
+        """Query heads and KV heads (groups) of `rank` when h query heads share g KV heads (head i reads group
+        i // (h / g)). Up to g ranks split the groups; beyond, each group is replicated on world / g ranks that
+        split its query heads."""
+        q = Attention.tp_heads(h, rank, world)
+        if world <= g:
+            require(g % world == 0, f"n_kv_head={g} is not divisible by the tensor-parallel degree {world}")
+            return q, list(range(rank * (g // world), (rank + 1) * (g // world)))
+        require(world % g == 0, f"tensor-parallel degree {world} is not a multiple of n_kv_head={g}")
+        return q, [rank // (world // g)]
+
+    def tp_output_styles(self) -> dict:
+        """torch's styles for the output: W_O row-parallel (torch's engine sums the ranks' partial outputs) and
+        the output gate column-parallel (the rows of the rank's heads)."""
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel  # ~2 s: only for TP
+
+        styles = {"wo": RowwiseParallel()}
+        if self.gate is not None:
+            styles["gate"] = ColwiseParallel()
+        return styles
+
+    @staticmethod
+    def tp_output_slices(heads: list[int], dv: int) -> dict:
+        """The output as slices, for a module that reads W_O itself or whose heads are no even split: W_O's
+        columns and the gate's rows of `heads` (d_v = dv each), W_O's bias on rank 0 (the all-reduce adds it)."""
+        return {
+            "wo.weight": ("cols", dv, heads),
+            "wo.bias": ("first",),
+            "gate.weight": ("rows", dv, heads),
+            "gate.bias": ("rows", dv, heads),
+        }
+
 
 def softmax_scale(dim: int) -> float:
     return 1.0 / math.sqrt(dim)

@@ -164,7 +164,9 @@ class EGMLA(LatentAttention):
         return rebuild + 2.0 * h * (dh + dr) + 2.0 * h * dv
 
     @classmethod
-    def decode_cost(cls, cfg: ModelConfig, batch: int, n_cached: int, route: str = "auto", layer_idx: int = 0):
+    def decode_cost(
+        cls, cfg: ModelConfig, batch: int, n_cached: int, route: str = "auto", layer_idx: int = 0
+    ):
         """weight_elements: the rows gathered per cached token that the streamed weights leave out: the
         kv_emb row (e elements) when rebuilding, the gate-table row (2 h d_h) with EG-MLA-A's table."""
         route = cls.route_of(cfg, route)
@@ -177,7 +179,11 @@ class EGMLA(LatentAttention):
             flops, rows = 2.0 * h * (dh + cfg.rope_head_dim) + 2.0 * h * dh, 0
         spec = cls.spec_for(cfg, layer_idx, naive=route == MATERIALISED)
         tokens = batch * n_cached
-        return {"flops": tokens * flops, "cache_elements": tokens * spec_numel(spec), "weight_elements": tokens * rows}
+        return {
+            "flops": tokens * flops,
+            "cache_elements": tokens * spec_numel(spec),
+            "weight_elements": tokens * rows,
+        }
 
     def route(self, step: Step, cache) -> str:
         """The family's resolution, after checking the token ids the gate needs (before anything is written)."""
@@ -240,6 +246,18 @@ class EGMLA(LatentAttention):
             kv = self.ln_emb(kv)
         kv = kv.view(B, S, h, 2 * dh).transpose(1, 2)
         return kv[..., :dh], kv[..., dh:]
+
+    def tp_plan(self, rank: int, world: int) -> dict:
+        """MLA's split by query head, plus the rank's heads' rows of W^UE (2 d_h per head, Listing 1) and of the
+        LayerNorm; the gate table on every rank (every head's gate needs the whole e, Eq. 4). The LayerNorm (Eq. 5)
+        spans all heads of a token, so the rank's normalises with all-reduced statistics ("norms")."""
+        plan = super().tp_plan(rank, world)
+        q = plan["holds"]["query_heads"]
+        for w in ("emb_gate.w_ue", "ln_emb"):
+            plan["slices"][f"{w}.weight"] = plan["slices"][f"{w}.bias"] = ("rows", 2 * self.head_dim, q)
+        if self.ln_emb is not None:
+            plan["norms"] = {"ln_emb": self.ln_emb.normalized_shape[0]}
+        return plan
 
 
 def precompute_gate_tables(model: nn.Module, enable: bool = True) -> int:

@@ -111,3 +111,22 @@ class GroupedTiedAttention(Attention):
         if k_rope is not None:  # K = [V[:, :, :d_h - d_h^R], K^RoPE] (C.7)
             k = torch.cat([v[..., : self.nope_dim], k_rope[:, None].expand(B, g, S, dr)], dim=-1)
         return self.output(attend(q, k, v, step, self.scale), x)
+
+    def tp_plan(self, rank: int, world: int) -> dict:
+        """By group: the rank's query heads and their tied value/key heads on torch's ColwiseParallel (sliced
+        beyond g ranks, where a group is replicated on world / g ranks); W^KR and so k_rope on every rank."""
+        from torch.distributed.tensor.parallel import ColwiseParallel  # ~2 s: only for TP
+
+        q, kv = self.tp_groups(self.n_head, self.n_kv_head, rank, world)
+        styles = {"wq": ColwiseParallel(), **self.tp_output_styles()}
+        slices = {}
+        if world <= self.n_kv_head:
+            styles["wkv"] = ColwiseParallel()
+        else:
+            slices["wkv.weight"] = slices["wkv.bias"] = ("rows", self.head_dim, kv)
+        return {
+            "config": {"n_head": len(q), "n_kv_head": len(kv)},
+            "parallelize": styles,
+            "slices": slices,
+            "holds": {"query_heads": q, "kv_heads": kv, "k_rope": "replicated"},
+        }

@@ -45,11 +45,11 @@ dropped when the module goes back to training or is moved/cast, and otherwise bu
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-import warnings
 
 from kvlm.attention.base import MATERIALISED, Attention, Linear, Step, require
 from kvlm.attention.latent_ops import attend_padded, attend_split, rope_keys_per_head
@@ -84,6 +84,7 @@ class BlockLinear(nn.Module):
 
 def _upgrade_hook(module, state_dict, prefix, *args) -> None:
     type(module).upgrade_state_dict(state_dict, prefix, module.cfg)
+    module.release_prepared()  # new weights: derived ones built from the old would be stale
 
 
 class LatentAttention(Attention):
@@ -100,7 +101,9 @@ class LatentAttention(Attention):
     # also for one block (a tensor-parallel shard of GLA / MLRA); False: MLA's single-latent layout
     block_layout: bool = False
     absorb_ratio = 4  # "auto" absorbs only while absorb_ratio * new tokens <= cached tokens
-    absorb_fold = "auto"  # MLA's weight folds in the absorbed route ("auto" | "none" | "all", MLA.fold_choice)
+    absorb_fold = (
+        "auto"  # MLA's weight folds in the absorbed route ("auto" | "none" | "all", MLA.fold_choice)
+    )
     _warned_absorbed = False
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
@@ -170,7 +173,9 @@ class LatentAttention(Attention):
         return units * (4.0 * d_lat + 2.0 * cfg.rope_head_dim)
 
     @classmethod
-    def decode_cost(cls, cfg: ModelConfig, batch: int, n_cached: int, route: str = "auto", layer_idx: int = 0):
+    def decode_cost(
+        cls, cfg: ModelConfig, batch: int, n_cached: int, route: str = "auto", layer_idx: int = 0
+    ):
         """One decode step over ``n_cached`` tokens of ``batch`` sequences, the cache-proportional work only:
         absorbed reads the compact cache and attends in latent space; expand reads it and up-projects every
         cached token to per-unit K/V (2 d_lat 2 d_h per unit) before attending; naive reads materialised K/V."""
@@ -185,7 +190,11 @@ class LatentAttention(Attention):
         }
         spec = cls.spec_for(cfg, layer_idx, naive=route == MATERIALISED)
         tokens = batch * n_cached
-        return {"flops": tokens * flops[route], "cache_elements": tokens * spec_numel(spec), "weight_elements": 0}
+        return {
+            "flops": tokens * flops[route],
+            "cache_elements": tokens * spec_numel(spec),
+            "weight_elements": 0,
+        }
 
     # --- routes -------------------------------------------------------------------------------------
     def prefers_absorbed(self, n_new: int, n_cached: int) -> bool:
@@ -199,7 +208,7 @@ class LatentAttention(Attention):
         return cheaper and n_new * self.absorb_ratio <= n_cached
 
     def route(self, step: Step, cache) -> str:
-        """"absorbed", "expand" or "naive" for this call; a mode the cache cannot serve is a CacheError."""
+        """ "absorbed", "expand" or "naive" for this call; a mode the cache cannot serve is a CacheError."""
         mode = step.mode
         if cache is not None and cache.naive:
             if mode not in ("auto", "naive"):
@@ -210,7 +219,9 @@ class LatentAttention(Attention):
             return "naive"
         if mode == "naive":
             if cache is not None:
-                raise CacheError("mode='naive' needs the materialised cache: model.new_cache(..., naive=True)")
+                raise CacheError(
+                    "mode='naive' needs the materialised cache: model.new_cache(..., naive=True)"
+                )
             return "expand"  # without a cache, naive and expand are the same computation
         if mode == "absorbed" and not self.supports_absorption:
             if not type(self)._warned_absorbed:
@@ -302,8 +313,12 @@ class LatentAttention(Attention):
             B, S, _ = c_k.shape
             w = self.wkv_b.weight.view(self.n_head, 2 * dh, -1)
             b = self.wkv_b.bias.view(self.n_head, 2 * dh) if self.wkv_b.bias is not None else None
-            k = F.linear(c_k, w[:, :dh].reshape(-1, w.shape[-1]), b[:, :dh].reshape(-1) if b is not None else None)
-            v = F.linear(c_v, w[:, dh:].reshape(-1, w.shape[-1]), b[:, dh:].reshape(-1) if b is not None else None)
+            k = F.linear(
+                c_k, w[:, :dh].reshape(-1, w.shape[-1]), b[:, :dh].reshape(-1) if b is not None else None
+            )
+            v = F.linear(
+                c_v, w[:, dh:].reshape(-1, w.shape[-1]), b[:, dh:].reshape(-1) if b is not None else None
+            )
             return k.view(B, S, -1, dh).transpose(1, 2), v.view(B, S, -1, dh).transpose(1, 2)
         c = lat["c_kv"]
         if not self.block_layout:
@@ -410,6 +425,27 @@ class LatentAttention(Attention):
             nb, r, _, d_lat = w_uk.shape
             w = torch.cat([w_uk, w_uv.transpose(-1, -2)], dim=2)
             state[prefix + "wkv_b.weight"] = w.reshape(nb, r * 2 * dh, d_lat)
+
+    # --- tensor parallelism ------------------------------------------------------------------------------
+    def tp_plan(self, rank: int, world: int) -> dict:
+        """By query head, as FlashMLA (mlra.md Sec. 3.4): the rank's heads' rows of wq / wq_b ([W^UQ_i; W^QR_i]) and
+        wkv_b ([W^UK_i; W^UV_i]) and W^O's columns; the down-projections and the whole latent cache on every rank.
+        All slices, not torch's styles: the absorbed route folds these weights into new matrices in the rank's
+        geometry, which a DTensor (global shape) cannot give. GLA / MLRA split by latent block instead."""
+        require(
+            self.rope_kv_heads == 1, "tensor parallelism of MLA with rope_kv_heads > 1 is not implemented"
+        )
+        dh, dr = self.head_dim, self.rope_head_dim
+        q = self.tp_heads(self.n_head, rank, world)
+        slices = self.tp_output_slices(q, dh)
+        for w, width in (("wq", dh + dr), ("wq_b", dh + dr), ("wkv_b", 2 * dh)):
+            slices[f"{w}.weight"] = slices[f"{w}.bias"] = ("rows", width, q)
+        return {
+            "config": {"n_head": len(q)},
+            "slices": slices,
+            "inherit": ("absorb_fold",),
+            "holds": {"query_heads": q, "latent": "replicated"},
+        }
 
 
 def check_latent_config(cfg: ModelConfig) -> None:

@@ -82,3 +82,16 @@ class MultiMatrixFactorizationAttention(Attention):
         self.record_route(step, "plain")
         o = attend(q, k, v, step, 1.0 / math.sqrt(self.head_dim))
         return self.output(o, x)
+
+    def tp_plan(self, rank: int, world: int) -> dict:
+        """By query head (torch's ColwiseParallel W^UQ / W^Q, RowwiseParallel W^O); the low-rank query input and
+        the one shared key and value head are on every rank (mlra.md Table 1)."""
+        from torch.distributed.tensor.parallel import ColwiseParallel  # ~2 s: only for TP
+
+        q = self.tp_heads(self.n_head, rank, world)
+        query = "wq_b" if self.cfg.q_lora_rank else "wq"
+        return {
+            "config": {"n_head": len(q)},
+            "parallelize": {query: ColwiseParallel(), **self.tp_output_styles()},
+            "holds": {"query_heads": q, "kv_heads": "replicated"},
+        }

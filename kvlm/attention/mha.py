@@ -76,6 +76,27 @@ class MultiHeadAttention(Attention):
         o = attend(q, k, v, step, softmax_scale(self.head_dim))
         return self.output(o, x)
 
+    def tp_plan(self, rank: int, world: int) -> dict:
+        """By KV head (mlra.md Table 1): the rank's query heads and the KV heads they read, on torch's
+        ColwiseParallel / RowwiseParallel. Beyond g ranks a KV head is replicated on world / g ranks that split its
+        query heads: no even split of wk and wv, so those are sliced."""
+        from torch.distributed.tensor.parallel import ColwiseParallel  # ~2 s: only for TP
+
+        q, kv = self.tp_groups(self.n_head, self.n_kv_head, rank, world)
+        styles = {"wq": ColwiseParallel(), **self.tp_output_styles()}
+        slices = {}
+        if world <= self.n_kv_head:
+            styles.update(wk=ColwiseParallel(), wv=ColwiseParallel())
+        else:
+            for w in ("wk", "wv"):
+                slices[f"{w}.weight"] = slices[f"{w}.bias"] = ("rows", self.head_dim, kv)
+        return {
+            "config": {"n_head": len(q), "n_kv_head": len(kv)},
+            "parallelize": styles,
+            "slices": slices,
+            "holds": {"query_heads": q, "kv_heads": kv},
+        }
+
 
 @register("mqa")
 class MultiQueryAttention(MultiHeadAttention):

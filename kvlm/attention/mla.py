@@ -91,7 +91,9 @@ class AbsorbedWeights:
 @register("mla")
 class MLA(LatentAttention):
     name = "mla"
-    supports_rope_kv_heads = True  # cfg.rope_kv_heads > 1 (config.validate; other latent mechanisms refuse it)
+    supports_rope_kv_heads = (
+        True  # cfg.rope_kv_heads > 1 (config.validate; other latent mechanisms refuse it)
+    )
     hf_peer = "deepseek_v3"
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
@@ -204,7 +206,9 @@ class MLA(LatentAttention):
             aw.b_ov = b
         return aw
 
-    def absorb_query(self, x: torch.Tensor, cs, aw: AbsorbedWeights) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def absorb_query(
+        self, x: torch.Tensor, cs, aw: AbsorbedWeights
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x (B, T, d) -> q~ = q^C W~^UK (B, h, T, d_c) (Step 1) and q^R (B, h, T, d_h^R) or None."""
         B, T, _ = x.shape
         c_q = self.query_input(x)
@@ -240,4 +244,3 @@ class MLA(LatentAttention):
         c_k, c_v = (lat["c_k"], lat["c_v"]) if self.separate else (lat["c_kv"], lat["c_kv"])
         z = latent_attention(q_lat, q_rope, c_k, lat.get("k_rope"), c_v, step, self.scale)
         return self.absorbed_output(z, x, aw)
-

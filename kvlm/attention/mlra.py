@@ -104,6 +104,63 @@ class LatentBlockAttention(LatentAttention):
         o = torch.einsum("bnrtl,nrpl->bnrtp", z, w_uv).reshape(B, self.n_units, T, -1)
         return self.output(self.combine(o), x)
 
+    def tp_plan(self, rank: int, world: int) -> dict:
+        """By latent block (mlra.md Sec. 3.2-3.4): a rank holds whole blocks of the KV latent with the up-projections
+        of the heads they serve, caches only those blocks (plus the shared k_rope), and its partial W^O output sums
+        with the other ranks'. MLRA's branches of one head may sit on different ranks: the per-branch outputs are
+        linear in W^O, so the all-reduce completes the branch sum of Eqs. 5-6. Beyond one block per rank (degree >
+        n_blocks) a block is replicated on world / n_blocks ranks that split its heads. All slices: blocks are
+        interleaved with the RoPE rows in wkv_a, and a head's W^O columns may be on several ranks."""
+        cfg, name = self.cfg, self.cfg.attention
+        bpg, nb, r, d_lat = self.bpg, self.n_blocks, self.r, self.d_lat
+        dh, dr, dc = self.head_dim, self.rope_head_dim, cfg.kv_lora_rank
+        if world <= nb:
+            require(
+                nb % world == 0,
+                f"{name} has {nb} latent blocks, not divisible by the tensor-parallel degree {world}",
+            )
+            k = nb // world
+            blocks, within = list(range(rank * k, (rank + 1) * k)), list(range(r))  # every head of each block
+            require(
+                k < bpg or k % bpg == 0,
+                f"{name}: {k} blocks per rank would split a head group of {bpg} blocks",
+            )
+            # whole head groups, or some branches of one head group
+            n_groups, bpg_loc = (k // bpg, bpg) if k >= bpg else (1, k)
+        else:
+            per = world // nb
+            require(
+                world % nb == 0 and r % per == 0,
+                f"{name}: tensor-parallel degree {world} must be a multiple of its {nb} latent blocks "
+                f"and split the {r} heads of a block evenly",
+            )
+            blocks, r_loc = [rank // per], r // per
+            within = list(range((rank % per) * r_loc, (rank % per + 1) * r_loc))
+            n_groups, bpg_loc = 1, 1
+        groups = sorted({b // bpg for b in blocks})
+        heads = [g * r + j for g in groups for j in within]  # global heads, in the local head order
+        slices = self.tp_output_slices(heads, dh)
+        for w in ("wq", "wq_b"):
+            slices[f"{w}.weight"] = slices[f"{w}.bias"] = ("rows", dh + dr, heads)
+        latent_rows = [b * d_lat + i for b in blocks for i in range(d_lat)] + list(range(dc, dc + dr))
+        slices["wkv_a.weight"] = slices["wkv_a.bias"] = ("rows", 1, latent_rows)
+        slices["kv_norm.weight"] = ("rows", 1, blocks)
+        bl, wi = torch.as_tensor(blocks), torch.as_tensor(within)
+
+        def up_rows(t):  # wkv_b (n_blocks, r 2 d_h, d_lat): the rank's blocks, their heads' rows [W^UK; W^UV]
+            t = t.view(nb, r, 2 * dh, d_lat)[bl.to(t.device)][:, wi.to(t.device)]
+            return t.reshape(len(blocks), -1, d_lat)
+
+        slices["wkv_b.weight"] = up_rows
+        return {
+            "config": {"n_head": n_groups * len(within), "kv_lora_rank": len(blocks) * d_lat},
+            "slices": slices,
+            "class_attrs": {"n_groups": n_groups, "blocks_per_group": bpg_loc},
+            # Eq. 10 scales by the full branch count, not the rank's; sqrt(d / d_lat) is unchanged (same d_lat)
+            "inherit": ("alpha_attn", "alpha_kv"),
+            "holds": {"latent_blocks": blocks, "query_heads": heads, "k_rope": "replicated"},
+        }
+
 
 @register("gla-2")
 class GLA2(LatentBlockAttention):

@@ -171,3 +171,17 @@ class TensorProductAttention(Attention):
             k, v = self.heads(ka, kc), self.heads(va, vc)
         q = torch.einsum("btpi,bptd->bitd", qa, qc) / self.beta_q  # Q[t] = (1/beta_q) (Q^A[t])^T Q^C[t]
         return self.output(attend(q, k, v, step, self.scale), x)
+
+    def tp_plan(self, rank: int, world: int) -> dict:
+        """By coefficient (mlra.md Sec. 3.4): the rank's heads' columns of Q^A, K^A, V^A. W^A's rows are laid out
+        (factor p, head i), so a rank's rows are interleaved, which no even Shard expresses: sliced. The shared
+        factors Q^C, K^C, V^C (W^C) on every rank; the output on torch's styles."""
+        h = self.n_head
+        q = self.tp_heads(h, rank, world)
+        rows = [p * h + i for p in range(self.beta_q + 2 * self.beta_kv) for i in q]  # [A^Q; A^K; A^V]
+        return {
+            "config": {"n_head": len(q)},
+            "parallelize": self.tp_output_styles(),
+            "slices": {"w_a.weight": ("rows", 1, rows), "w_a.bias": ("rows", 1, rows)},
+            "holds": {"query_heads": q, "coefficients": q, "factors": "replicated"},
+        }

@@ -12,7 +12,7 @@ from kvlm.attention import registry
 from kvlm.bench.routes import decode_modes
 from kvlm.bench.suites import DEFAULTS, DTYPES, MODES, OPTIONS, SHAPE_FIELDS, SUITES
 from kvlm.config import ConfigError, ModelConfig, load_yaml_or_json
-from kvlm.presets import get_preset
+from kvlm.preset_table import get_preset
 
 
 class BenchError(ConfigError):

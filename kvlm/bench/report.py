@@ -50,7 +50,7 @@ OPERATION_COLUMNS = [
     ("weights MiB", lambda r: r["weight GEMMs"]["bytes"] / MIB),
     ("weights floor ms", lambda r: r["weight GEMMs"]["floor_ms"]),
     ("attention MiB", lambda r: r["attention"]["bytes"] / MIB),
-    ("attention GFLOP", lambda r: r["attention"]["flops"] / 1e9),
+    ("attention GFLOP", lambda r: None if r["attention"]["flops"] is None else r["attention"]["flops"] / 1e9),
     ("attention FLOP/byte", lambda r: r["attention"]["flops_per_byte"]),
     ("attention floor ms", lambda r: r["attention"]["floor_ms"]),
     ("LM head floor ms", lambda r: r["LM head"]["floor_ms"]),

@@ -75,13 +75,17 @@ def roofline(
 
 def attention_cost(cfg: ModelConfig, batch: int, n_cached: int, mode: str, dtype_bytes: int) -> dict:
     """Attention over the cache in one decode step, all layers: {"bytes", "flops"} from the mechanism's
-    ``decode_cost`` for the route ``mode`` takes (cache elements and derived weights read, FLOPs)."""
+    ``decode_cost`` for the route ``mode`` takes (cache elements and derived weights read, FLOPs; None
+    when the mechanism does not count them)."""
     cls = get_attention_class(cfg.attention)
-    total = {"bytes": 0, "flops": 0.0}
+    total: dict = {"bytes": 0, "flops": 0.0}
     for layer in range(cfg.n_layer):
         cost = cls.decode_cost(cfg, batch, n_cached, route=mode, layer_idx=layer)
         total["bytes"] += int(cost["cache_elements"] + cost["weight_elements"]) * dtype_bytes
-        total["flops"] += float(cost["flops"])
+        if cost["flops"] is None or total["flops"] is None:
+            total["flops"] = None
+        else:
+            total["flops"] += float(cost["flops"])
     return total
 
 
@@ -104,12 +108,15 @@ def operation_roofline(classes: dict[str, dict], hw: dict[str, float]) -> dict[s
     out = {}
     for name, c in classes.items():
         bw_ms = c["bytes"] / (hw["bandwidth_gbs"] * 1e9) * 1e3
-        compute_ms = c["flops"] / (hw["matmul_fp32_gflops"] * 1e9) * 1e3
+        counted = (
+            c["flops"] is not None
+        )  # a mechanism that does not count its FLOPs: the bandwidth floor only
+        compute_ms = c["flops"] / (hw["matmul_fp32_gflops"] * 1e9) * 1e3 if counted else None
         out[name] = {
             **c,
             "bandwidth_floor_ms": bw_ms,
             "compute_floor_ms": compute_ms,
-            "floor_ms": max(bw_ms, compute_ms),
-            "flops_per_byte": c["flops"] / c["bytes"] if c["bytes"] else None,
+            "floor_ms": max(bw_ms, compute_ms) if counted else bw_ms,
+            "flops_per_byte": c["flops"] / c["bytes"] if counted and c["bytes"] else None,
         }
     return out

@@ -65,7 +65,8 @@ def run(plan: Plan) -> dict[str, Any]:
         need = max(max(plan.context) + max(plan.warmup, 1) + plan.steps, max(plan.prompt))
         if cfg.max_seq_len < need:
             cfg = cfg.replace(max_seq_len=need)
-        model = build_model(cfg, device=device, dtype=dtype).eval()
+        # absorbed weights built once, as after loading a checkpoint
+        model = build_model(cfg, device=device, dtype=dtype).eval().prepare_for_inference()
         weight_bytes = streamed_weight_bytes(model)
         models[variant.label] = {
             "attention": cfg.attention,

@@ -53,9 +53,9 @@ def fit_to_budget(
 ) -> tuple[int, int]:
     """Fewer timed steps for slow measurements, so that each stays near ``budget_s`` seconds: when the first
     (untimed) step says warm-up + steps would overrun, skip the warm-up (that first step was one) and time
-    max(minimum, budget / first) steps."""
+    max(minimum, budget / first) steps, never more than ``steps`` (the cache has room for no more)."""
     if budget_s and first_s * (warmup + steps) > budget_s:
-        return 0, max(minimum, min(steps, int(budget_s / first_s)))
+        return 0, max(min(minimum, steps), min(steps, int(budget_s / first_s)))
     return warmup, steps
 
 

@@ -12,7 +12,7 @@ from typing import Any
 from kvlm.accounting import DTYPE_BYTES, _reference, format_table, kv_table, select
 from kvlm.cli.common import parse_int_list
 from kvlm.config import ConfigError, ModelConfig
-from kvlm.presets import families, get_preset, match_ffn_dim, presets
+from kvlm.preset_table import families, get_preset, match_ffn_dim, presets
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -31,7 +31,7 @@ from kvlm.config import ConfigError, ModelConfig
 from kvlm.logs import setup_logging
 from kvlm.parallel.collectives import barrier, gather_objects
 from kvlm.parallel.mesh import init_distributed, shutdown, tp_setup
-from kvlm.presets import get_preset
+from kvlm.preset_table import get_preset
 
 TP_VARIANTS = "mha,gqa,mla,gla-2,gta,mlra-2,mlra-4,tpa,mfa,eg-mla"
 

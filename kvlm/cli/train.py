@@ -12,7 +12,7 @@ from kvlm.cli.common import parse_overrides
 from kvlm.config import ConfigError, ModelConfig, load_yaml_or_json
 from kvlm.data import load_or_prepare
 from kvlm.logs import get_logger
-from kvlm.presets import get_preset
+from kvlm.preset_table import get_preset
 from kvlm.training import TrainConfig, train
 
 logger = get_logger(__name__)
@@ -96,7 +96,7 @@ def configs_from_args(args) -> tuple[ModelConfig, TrainConfig, bool]:
         try:
             model.update(get_preset(args.preset).to_dict())
         except ModuleNotFoundError as e:
-            raise ConfigError("named presets are not available in this build (kvlm/presets.py)") from e
+            raise ConfigError("named presets are not available in this build (kvlm/preset_table.py)") from e
     explicit: dict[str, Any] = {}
     if args.config:
         path = Path(args.config)

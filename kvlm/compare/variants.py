@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 from kvlm.config import ConfigError, ModelConfig
-from kvlm.presets import get_preset, match_ffn_dim
+from kvlm.preset_table import get_preset, match_ffn_dim
 
 
 @dataclass

@@ -103,7 +103,9 @@ def generate(
         gen.manual_seed(seed)
 
     was_training = model.training
-    model.eval()
+    # derived decode weights (absorbed MLA weights, EG-MLA gate tables) built once for this call, not per step;
+    # train(True) below drops them again
+    model.eval().prepare_for_inference()
     try:
         with torch.inference_mode():
             t0 = _now(device)

@@ -350,7 +350,8 @@ def gqa_to_mla(
         q_rope = wq[:, kept] * u_t[group][:, :, None]  # (h, dr, d)
         b.wq.weight.copy_((torch.cat([q_nope, q_rope], dim=1) * q_scale).reshape(h * (dh + dr), -1))
         b.wkv_a.weight.copy_(torch.cat([w_dkv, w_kr.reshape(n_r * dr, -1)]))  # [W^DKV; W^KR]
-        b.wkv_b.weight.copy_(torch.cat([up_k[group], up_v[group]], dim=1).reshape(h * 2 * dh, dc))  # [W^UK_i; W^UV_i]
+        up = torch.cat([up_k[group], up_v[group]], dim=1)  # each head's [W^UK_i; W^UV_i]
+        b.wkv_b.weight.copy_(up.reshape(h * 2 * dh, dc))
         b.wo.weight.copy_(a.wo.weight)
     return out.eval()
 

@@ -205,6 +205,8 @@ class KVLMForCausalLM(PreTrainedModel, GenerationMixin):
                 cfg = self.model.cfg
                 max_len = min(cache.max_length or cfg.max_seq_len, cfg.max_seq_len)
                 cache.kv = self.model.new_cache(B, max(max_len, T))
+                if not self.model.training:  # a new generation: derived decode weights once, not per step
+                    self.model.prepare_for_inference()
                 pad = left_padding(attention_mask, allow_right=False)
                 if pad is not None:
                     cache.kv.set_left_padding(pad)

@@ -9,13 +9,14 @@ below takes its group from that mesh. The modules, each with one job:
   object collectives (gather_objects, broadcast_float, barrier).
 - ``data_parallel``: training across ranks: ``wrap`` (DDP), ``wrap_fsdp`` (FSDP2, ``fully_shard`` per block),
   ``wrap_ddp`` (DDP that leaves sharded gate tables alone) and the per-rank metrics helpers.
-- ``tensor_parallel``: decoding with every layer split across ranks (mlra.md Sec. 3.4, Table 1):
-  ``shard_model(model, rank, world)`` puts each attention layer's shard (``TPAttention``, the ranks' partial
-  W_O outputs summed by one all-reduce) and a Megatron FFN slice (``TPMLP``) in place; ``attention="dp"`` keeps
-  whole attention layers, each rank serving its own requests (``DPGatherMLP``). ``shard_attention``, ``tp_plan``,
-  ``kv_elements_per_token`` say what a rank holds.
-- ``sharders``: the mechanism-specific sharders (``SHARDERS``: attention name -> sharder), with ``slicing``
-  (rules that cut a parameter into a rank's part, ``build_shard``, ``local_config``, ``copy_model``).
+- ``tensor_parallel``: decoding with every layer split across ranks (mlra.md Sec. 3.4, Table 1), on torch's DTensor
+  engine: ``shard_model(model, rank, world)`` applies each mechanism's own plan (``Attention.tp_plan(rank,
+  world)``: the rank's config fields, a ``parallelize_module`` plan of ColwiseParallel / RowwiseParallel for the
+  contiguous splits, slicing rules for the others) to every attention layer (``TPAttention``) and Megatron's plan
+  to every FFN; ``attention="dp"`` keeps whole attention layers, each rank serving its own requests
+  (``DPGatherMLP``). ``shard_attention``, ``tp_plan``, ``kv_elements_per_token`` say what a rank holds.
+- ``slicing``: cutting a parameter into a rank's part (the slicing rules, ``style_slices``: torch's styles as
+  slices for a rank without a mesh), ``build_shard``, ``local_config``, ``copy_model``.
 - ``embedding_parallel``: EG-MLA's dimension-wise gate-table sharding (eg-mla.md Eqs. 9-11):
   ``shard_gate_embeddings``, ``ShardedGateEmbedding`` (its all-to-all exchange), ``clip_grad_norm``.
 - ``sharded_state``: checkpoints of sharded state: ``save_sharded`` / ``load_sharded`` (FSDP2 model and optimizer

@@ -1,10 +1,20 @@
-"""Slicing a module's weights into a per-rank module (the sharders' toolkit).
+"""Cutting a module into the part one rank holds, from a tensor-parallel plan (kvlm.parallel.tensor_parallel).
 
-A rule says how one parameter of the full module becomes the rank's: ("rows"/"cols", unit, units kept) keeps the
-listed blocks of `unit` rows (dim 0) or columns (dim 1); "first" keeps the tensor on rank 0 and zeros elsewhere
-(the bias of a row-parallel output, added once by the all-reduce); a callable maps the full tensor to the rank's.
-Unlisted parameters are replicated. ``build_shard`` builds a module of the same class from a per-rank config
-(``local_config``) and loads the sliced state strictly.
+A mechanism's plan (``Attention.tp_plan``) names two kinds of split:
+- torch's styles (``ColwiseParallel`` / ``RowwiseParallel``): applied with ``parallelize_module`` when the ranks
+  share a ``DeviceMesh``; on a single process (no mesh: what a rank *would* hold, e.g. on the meta device)
+  ``style_slices`` turns them into the equivalent slicing rules (the rows / columns ``Shard(0)`` / ``Shard(1)``
+  give a rank, W_O's bias on rank 0 only since the all-reduce adds it once).
+- slicing rules, for splits no even ``Shard`` expresses (TPA's interleaved rows, latent blocks, a KV head
+  replicated on several ranks) and for weights the module reads itself in its local geometry (MLA's absorbed
+  route folds W^UK, W^UV and W^O into new matrices; a DTensor would hand it the global shape). A rule says how
+  one parameter of the full module becomes the rank's: ("rows"/"cols", unit, units kept) keeps the listed blocks
+  of `unit` rows (dim 0) or columns (dim 1); ("first",) keeps the tensor on rank 0 and zeros elsewhere (the bias
+  of a row-parallel output, added once by the all-reduce); a callable maps the full tensor to the rank's.
+  Unlisted parameters are replicated.
+
+``build_shard`` builds a module of the same class from a per-rank config (``local_config``) and loads the sliced
+state strictly. ``copy_model`` deep-copies a model keeping the attributes set on its parameters.
 """
 
 from __future__ import annotations
@@ -14,6 +24,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from kvlm.config import ConfigError
 
@@ -28,10 +39,15 @@ def _take(t: torch.Tensor, dim: int, unit: int, keep: Sequence[int]) -> torch.Te
     return blocks.index_select(dim, idx).flatten(dim, dim + 1).clone()
 
 
-def slice_state(module: nn.Module, rules: dict[str, Rule], rank: int) -> dict[str, torch.Tensor]:
-    """The state dict of `module` with each ruled parameter replaced by this rank's part."""
+def slice_state(
+    module: nn.Module, rules: dict[str, Rule], rank: int, skip: Sequence[str] = ()
+) -> dict[str, torch.Tensor]:
+    """The state dict of `module` with each ruled parameter replaced by this rank's part; entries under the
+    submodules in `skip` (those torch's styles distribute) are left out."""
     state = {}
     for name, t in module.state_dict().items():
+        if any(name.startswith(f"{s}.") for s in skip):
+            continue
         rule = rules.get(name)
         if rule is None:
             state[name] = t.clone()
@@ -45,18 +61,52 @@ def slice_state(module: nn.Module, rules: dict[str, Rule], rank: int) -> dict[st
     return state
 
 
-def build_shard(cls, cfg, layer_idx: int, like: nn.Module, state: dict[str, torch.Tensor]) -> nn.Module:
-    """A module of class `cls` built from the per-rank config, holding the sliced weights (strict load:
-    a shape that does not fit says which parameter and how)."""
+def chunk_indices(n: int, rank: int, world: int) -> list[int]:
+    """The indices of `rank` in torch.chunk's split of n into `world` parts (DTensor's Shard layout)."""
+    parts = torch.arange(n).chunk(world)
+    return parts[rank].tolist() if rank < len(parts) else []
+
+
+def style_slices(styles: dict, module: nn.Module, rank: int, world: int) -> dict[str, Rule]:
+    """Slicing rules equal to torch's styles (ColwiseParallel: rows of weight and bias; RowwiseParallel:
+    columns of the weight, the bias on rank 0), for a rank without a mesh."""
+    rules: dict[str, Rule] = {}
+    for path, style in styles.items():
+        sub = module.get_submodule(path)
+        if isinstance(style, ColwiseParallel):
+            keep = chunk_indices(sub.weight.shape[0], rank, world)
+            rules[f"{path}.weight"] = ("rows", 1, keep)
+            rules[f"{path}.bias"] = ("rows", 1, keep)
+        elif isinstance(style, RowwiseParallel):
+            rules[f"{path}.weight"] = ("cols", 1, chunk_indices(sub.weight.shape[1], rank, world))
+            rules[f"{path}.bias"] = ("first",)
+        else:
+            raise ConfigError(
+                f"without a process group only ColwiseParallel / RowwiseParallel can be planned, "
+                f"{path!r} has {type(style).__name__}"
+            )
+    return rules
+
+
+def build_shard(cls, cfg, layer_idx: int | None, like: nn.Module) -> nn.Module:
+    """A module of class `cls` built from the per-rank config on the device and in the dtype of `like`."""
     p = next(like.parameters())
     with torch.device(p.device):
         shard = cls(cfg, layer_idx) if layer_idx is not None else cls(cfg)
-    shard = shard.to(p.dtype)
+    return shard.to(p.dtype)
+
+
+def load_shard(shard: nn.Module, state: dict[str, torch.Tensor], skip: Sequence[str] = ()) -> None:
+    """Load the sliced weights into the rank's module: every entry outside `skip` must be given and fit (a shape
+    that does not says which parameter and how)."""
+    name = type(shard).__name__
     try:
-        shard.load_state_dict(state, strict=True)
+        missing, unexpected = shard.load_state_dict(state, strict=False)
     except RuntimeError as e:
-        raise ConfigError(f"cannot shard {cls.__name__}: per-rank weights do not fit ({e})") from e
-    return shard
+        raise ConfigError(f"cannot shard {name}: per-rank weights do not fit ({e})") from e
+    missing = [k for k in missing if not any(k.startswith(f"{s}.") for s in skip)]
+    if missing or unexpected:
+        raise ConfigError(f"cannot shard {name}: missing {missing}, unexpected {unexpected}")
 
 
 def local_config(cfg, **fields):

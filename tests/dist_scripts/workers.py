@@ -94,6 +94,8 @@ def tp_cases(rank, world, cases):
     """For each (attention, overrides, extra checks): sharded vs single-process logits (full forward and
     incremental decode), greedy generation (ragged prompts), and what this rank's cache holds. Extra checks:
     "modes" decodes in every attention mode, "sample" also compares seeded sampling."""
+    from torch.distributed.tensor import DTensor
+
     from kvlm.inference.generation import generate
     from kvlm.parallel import kv_elements_per_token, shard_model, tp_plan
 
@@ -127,6 +129,15 @@ def tp_cases(rank, world, cases):
                 kw = dict(temperature=1.0, top_k=20, seed=3)
                 r["sampled"] = (generate(model, prompts, 5, **kw), generate(tp, prompts, 5, **kw))
             r["kv_elements_per_token"] = kv_elements_per_token(tp)
+            # the submodules the mechanism's plan gives torch's styles hold DTensor weights, the others plain ones
+            declared = model.layers[0].attn.tp_plan(rank, world).get("parallelize", {})
+            r["dtensor"] = (
+                sorted(n for n, p in tp.layers[0].attn.inner.named_parameters() if isinstance(p, DTensor)),
+                sorted(
+                    n for m in declared for n, _ in model.layers[0].attn.get_submodule(m).named_parameters(m)
+                ),
+                all(isinstance(p, DTensor) for p in tp.layers[0].mlp.parameters()),
+            )
             results[key] = r
         except Exception as e:  # reported per case by the parent
             results[key] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
