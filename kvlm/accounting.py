@@ -23,6 +23,7 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from kvlm.attention import get_attention_class
 from kvlm.config import ConfigError, ModelConfig, spec_numel
 from kvlm.preset_table import (
     canonical_name,
@@ -298,8 +299,11 @@ def _params(n: int) -> str:
 
 
 def format_table(rows: list[dict[str, Any]], tps: Sequence[int], dtype: str = "bf16") -> str:
-    # the saving against MLA is eg-mla.md's comparison (Table 10); elsewhere it only adds noise
-    show_mla = any(r["attention"] == "eg-mla" and r["kv_reduction_vs_mla"] is not None for r in rows)
+    # the saving against MLA where a mechanism's paper reports it (eg-mla.md Table 10); elsewhere only noise
+    show_mla = any(
+        get_attention_class(r["attention"]).kv_baseline == "mla" and r["kv_reduction_vs_mla"] is not None
+        for r in rows
+    )
     has_params = all("params" in r for r in rows)
     show_gate = has_params and any(r["params"]["gate_embedding"] for r in rows)
     header = ["model", "attention", "KV/token", "KV/layer", "bytes/token", "vs MHA"]

@@ -8,8 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = ROOT / "tools" / "check_layout.py"
 
@@ -25,13 +23,6 @@ def _load_tool():
 check_layout = _load_tool()
 
 
-# Remove the mark once the architecture-v2 split has landed (the lead's call): XPASS means the tree is clean.
-@pytest.mark.xfail(
-    strict=False,
-    reason="architecture v2 in progress; when this mark was written: the cycle kvlm.attention <-> "
-    "kvlm.attention.base <-> kvlm.cache <-> kvlm.cache.contiguous <-> kvlm.cache.layer <-> kvlm.config <-> "
-    "kvlm.model <-> kvlm.preset_table, and kvlm/training/loop.py over 500 lines",
-)
 def test_kvlm_layout_is_clean():
     report = check_layout.check(ROOT)
     assert report.ok, "layout violations:\n" + "\n".join(report.lines())

@@ -334,3 +334,24 @@ def test_mode_and_cache_mismatch_is_a_clear_error():
     naive = ContiguousLayer(attn.cache_spec(naive=True), 1, 8, torch.float64, naive=True)
     out = attn(x, Step.build(tokens), naive)  # "auto" on a naive cache takes the naive route
     assert (out - attn(x, Step.build(tokens))).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        dict(kv_lora_rank=8),  # d_c < d_h: both folds read fewer weights
+        dict(kv_lora_rank=64),  # d_c = d: neither fold pays
+        dict(kv_lora_rank=8, q_lora_rank=16),
+        dict(kv_lora_rank=8, gated=True),  # the output gate sits between W~^UV and W^O: no output fold
+    ],
+)
+def test_auto_fold_reads_fewest_weight_elements(overrides):
+    """The absorbed route folds W^UQ.W~^UK and W~^UV.W^O exactly when the folded matrix is smaller than the two
+    it replaces (fewer weight bytes per decode step); sizes counted here from the shapes, per layer."""
+    cfg = tiny_config("mla", **overrides)
+    attn = build_model(cfg).layers[0].attn
+    h, dh, dc, d = cfg.n_head, cfg.head_dim, cfg.kv_lora_rank, cfg.d_model
+    n_in = cfg.q_lora_rank or d
+    q_separate, q_folded = h * dh * n_in + h * dh * dc, n_in * h * dc  # (W^UQ nope rows, W~^UK) vs W^UQ W~^UK
+    o_separate, o_folded = h * dc * dh + d * h * dh, h * dc * d  # (W~^UV, W^O) vs W~^UV W^O
+    assert attn.fold_choice() == (q_folded < q_separate, not cfg.gated and o_folded < o_separate)

@@ -77,6 +77,8 @@ class Attention(nn.Module):
     needs_token_ids: bool = False  # forward reads step.token_ids and the cached tokens' ids (eg-mla)
     supports_rope_kv_heads: bool = False  # accepts cfg.rope_kv_heads > 1 (several decoupled RoPE key heads)
     hf_peer: str | None = None  # the transformers model_type `kvlm bench` compares against, if one exists
+    # besides MHA, the mechanism whose KV cache the paper reports savings against (kv-table's "vs" column)
+    kv_baseline: str | None = None
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()

@@ -65,7 +65,6 @@ class EmbeddingGate(nn.Module):
     def __init__(self, vocab_size: int, kv_emb_dim: int, out_dim: int, bias: bool):
         super().__init__()
         self.kv_emb = GateEmbedding(vocab_size, kv_emb_dim)
-        self.kv_emb.weight.is_gate_embedding = True  # read by kvlm.parallel.embedding_parallel's _gate_tables
         self.w_ue = Linear(kv_emb_dim, out_dim, bias=bias)
         self.use_table = False
         self.table: torch.Tensor | None = None  # (vocab, out_dim), built by build_table
@@ -107,6 +106,7 @@ class EmbeddingGate(nn.Module):
 class EGMLA(LatentAttention):
     name = "eg-mla"
     needs_token_ids = True
+    kv_baseline = "mla"  # eg-mla.md Table 10 reports its KV saving against MLA
     supports_absorption = False
     no_absorption_reason = "the LayerNorm after the embedding gate is nonlinear in the latent"
 

@@ -16,7 +16,7 @@ below takes its group from that mesh. The modules, each with one job:
   to every FFN; ``attention="dp"`` keeps whole attention layers, each rank serving its own requests
   (``DPGatherMLP``). ``shard_attention``, ``tp_plan``, ``kv_elements_per_token`` say what a rank holds.
 - ``slicing``: cutting a parameter into a rank's part (the slicing rules, ``style_slices``: torch's styles as
-  slices for a rank without a mesh), ``build_shard``, ``local_config``, ``copy_model``.
+  slices for a rank without a mesh), ``build_shard``, ``local_config``.
 - ``embedding_parallel``: EG-MLA's dimension-wise gate-table sharding (eg-mla.md Eqs. 9-11):
   ``shard_gate_embeddings``, ``ShardedGateEmbedding`` (its all-to-all exchange), ``clip_grad_norm``.
 - ``sharded_state``: checkpoints of sharded state: ``save_sharded`` / ``load_sharded`` (FSDP2 model and optimizer
@@ -41,7 +41,6 @@ from kvlm.parallel.sharded_state import (
     load_sharded,
     save_sharded,
 )
-from kvlm.parallel.slicing import copy_model
 from kvlm.parallel.tensor_parallel import (
     kv_bytes_per_token,
     kv_elements_per_token,
@@ -59,7 +58,6 @@ __all__ = [
     "all_reduce_sum",
     "all_to_all_uneven",
     "clip_grad_norm",
-    "copy_model",
     "full_model_state",
     "gather_gate_embeddings",
     "init_distributed",

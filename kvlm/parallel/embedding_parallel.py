@@ -13,6 +13,7 @@ clips by the whole gradient's norm. Whole tables for checkpoints: kvlm.parallel.
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 
 import torch
@@ -22,7 +23,6 @@ from torch import nn
 from kvlm.attention import GateEmbedding
 from kvlm.config import ConfigError
 from kvlm.parallel.collectives import all_gather_uneven, all_to_all_uneven
-from kvlm.parallel.slicing import copy_model
 
 
 class GateExchange:
@@ -81,8 +81,6 @@ class ShardedGateEmbedding(nn.Module):
         self.num_embeddings = table.shape[0]
         self.embedding_dim = bounds[-1]
         self.weight = nn.Parameter(table[:, bounds[self.rank] : bounds[self.rank + 1]].detach().clone())
-        self.weight.is_gate_embedding = True
-        self.weight.is_sharded_gate_embedding = True
         if average_grads and self.world > 1:
             self.weight.register_hook(lambda g: g / self.world)
 
@@ -126,7 +124,7 @@ def shard_gate_embeddings(
     if world < 1 or not 0 <= rank < world:
         raise ConfigError(f"rank {rank} is not in a world of {world}")
     if not inplace:
-        model = copy_model(model)
+        model = copy.deepcopy(model)
     tables = _gate_tables(model)
     if not tables:
         raise ConfigError(

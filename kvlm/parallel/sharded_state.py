@@ -15,6 +15,7 @@ Two kinds of sharded state, two ways to save it:
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import shutil
 import warnings
@@ -37,7 +38,6 @@ from kvlm.attention import GateEmbedding
 from kvlm.checkpoint import CheckpointError
 from kvlm.parallel.collectives import all_gather_uneven, barrier
 from kvlm.parallel.embedding_parallel import ShardedGateEmbedding
-from kvlm.parallel.slicing import copy_model
 
 # ------------------------------------------------------------------------------------------------
 # FSDP2 (DTensor) state: torch.distributed.checkpoint
@@ -163,7 +163,6 @@ def _gather_columns(mod: ShardedGateEmbedding, t: torch.Tensor, dst: int | None)
 
 def _full_embedding(table: torch.Tensor) -> GateEmbedding:
     emb = GateEmbedding(*table.shape, _weight=table)  # wraps the gathered tensor: no second copy
-    emb.weight.is_gate_embedding = True
     return emb
 
 
@@ -252,6 +251,6 @@ def shard_optimizer_state(sd: dict, optimizer: torch.optim.Optimizer, model: tor
 def gather_gate_embeddings(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of the model with every sharded gate table gathered back into one nn.Embedding (a collective:
     every rank calls it; each gets the full model), e.g. for rank 0 to save an ordinary checkpoint."""
-    full = copy_model(model)
+    full = copy.deepcopy(model)
     _swap_in_full_tables(full, None)
     return full

@@ -14,7 +14,7 @@ A mechanism's plan (``Attention.tp_plan``) names two kinds of split:
   Unlisted parameters are replicated.
 
 ``build_shard`` builds a module of the same class from a per-rank config (``local_config``) and loads the sliced
-state strictly. ``copy_model`` deep-copies a model keeping the attributes set on its parameters.
+state strictly.
 """
 
 from __future__ import annotations
@@ -120,14 +120,3 @@ def local_config(cfg, **fields):
             raise ConfigError(f"internal: ModelConfig has no field {k!r}")
         setattr(local, k, v)
     return local
-
-
-def copy_model(model: nn.Module) -> nn.Module:
-    """copy.deepcopy, keeping the attributes set on parameters (is_gate_embedding, ...): deepcopy of an
-    nn.Parameter drops them."""
-    new = copy.deepcopy(model)
-    for (_, p), (_, q) in zip(model.named_parameters(), new.named_parameters()):
-        for k, v in vars(p).items():
-            if not hasattr(q, k):
-                setattr(q, k, v)
-    return new

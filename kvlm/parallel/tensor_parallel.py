@@ -55,7 +55,6 @@ from kvlm.parallel.collectives import all_gather_uneven, all_reduce_sum
 from kvlm.parallel.slicing import (
     build_shard,
     chunk_indices,
-    copy_model,
     load_shard,
     local_config,
     slice_state,
@@ -220,7 +219,7 @@ def shard_model(
     if mesh is not None:
         group = mesh.get_group()
     if not inplace:
-        model = copy_model(model)
+        model = copy.deepcopy(model)
     inners = []
     for block in model.layers:
         mlp, mlp_reduced = None, False

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from kvlm.attention import GateEmbedding
 from kvlm.config import ConfigError, ModelConfig
 from kvlm.data import PreparedData, load_prepared
 from kvlm.logs import ROOT, get_logger
@@ -213,7 +214,7 @@ class Trainer:
         """TrainConfig.embedding_parallel: shard the gate tables over the ranks; True when they are sharded."""
         if not self.tcfg.embedding_parallel:
             return False
-        if not any(getattr(p, "is_gate_embedding", False) for p in self.model.parameters()):
+        if not any(isinstance(m, GateEmbedding) for m in self.model.modules()):
             raise ConfigError(
                 f"embedding_parallel shards EG-MLA's gating embedding tables; attention "
                 f"{self.model.cfg.attention!r} has none (use attention eg-mla, or drop --embedding-parallel)"

@@ -6,6 +6,7 @@ the parent to check. Threads: one per rank (the test machine has two shared core
 
 from __future__ import annotations
 
+import copy
 import os
 import socket
 import sys
@@ -151,11 +152,11 @@ def ep_cases(rank, world, cases):
 
     import torch.nn.functional as F
 
+    from kvlm.attention import GateEmbedding
     from kvlm.parallel import (
         GateExchange,
         ShardedGateEmbedding,
         clip_grad_norm,
-        copy_model,
         gather_gate_embeddings,
         parameter_bytes,
         shard_gate_embeddings,
@@ -171,13 +172,13 @@ def ep_cases(rank, world, cases):
             B, T = 2, 10
             g = torch.Generator().manual_seed(2)
             tokens = torch.randint(0, cfg.vocab_size, (world * B, T + 1), generator=g)
-            ref = copy_model(model)
+            ref = copy.deepcopy(model)
             logits = ref(tokens[:, :-1])
             ref_loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
             ref_loss.backward()
             ref_grads = {n: p.grad for n, p in ref.named_parameters()}
 
-            ep = shard_gate_embeddings(copy_model(model), rank, world)
+            ep = shard_gate_embeddings(copy.deepcopy(model), rank, world)
             ddp = wrap_ddp(ep)
             mine = tokens[rank * B : (rank + 1) * B]
             loss = F.cross_entropy(ddp(mine[:, :-1]).flatten(0, 1), mine[:, 1:].flatten())
@@ -187,7 +188,7 @@ def ep_cases(rank, world, cases):
             r = {"loss_err": abs(mean_loss.item() / world - ref_loss.item()), "grad_err": {}}
             for n, p in ep.named_parameters():
                 want = ref_grads[n]
-                if getattr(p, "is_sharded_gate_embedding", False):
+                if isinstance(ep.get_submodule(n.rsplit(".", 1)[0]), ShardedGateEmbedding):
                     emb = ep.get_submodule(n.rsplit(".", 1)[0])
                     want = want[:, emb.bounds[rank] : emb.bounds[rank + 1]]
                     r.setdefault("sharded", []).append((n, tuple(p.shape)))
@@ -199,7 +200,7 @@ def ep_cases(rank, world, cases):
             r["clipped_err"] = 0.0
             for n, p in ep.named_parameters():
                 want = ref_grads[n]
-                if getattr(p, "is_sharded_gate_embedding", False):
+                if isinstance(ep.get_submodule(n.rsplit(".", 1)[0]), ShardedGateEmbedding):
                     emb = ep.get_submodule(n.rsplit(".", 1)[0])
                     want = want[:, emb.bounds[rank] : emb.bounds[rank + 1]]
                 r["clipped_err"] = max(r["clipped_err"], (p.grad - want).abs().max().item())
@@ -213,8 +214,9 @@ def ep_cases(rank, world, cases):
             r["param_bytes_unsharded"] = parameter_bytes(model)
             r["gate_bytes"] = sum(
                 p.numel() * p.element_size()
-                for p in ep.parameters()
-                if getattr(p, "is_gate_embedding", False)
+                for m in ep.modules()
+                if isinstance(m, (GateEmbedding, ShardedGateEmbedding))
+                for p in m.parameters()
             )
             results[key] = r
         except Exception as e:
