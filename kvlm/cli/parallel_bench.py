@@ -29,6 +29,7 @@ from kvlm.bench.parallel import (
 from kvlm.cli.common import parse_int_list, parse_overrides
 from kvlm.config import ConfigError, ModelConfig
 from kvlm.logs import setup_logging
+from kvlm.model import count_parameters
 from kvlm.parallel.collectives import barrier, gather_objects
 from kvlm.parallel.mesh import init_distributed, shutdown, tp_setup
 from kvlm.preset_table import get_preset
@@ -143,7 +144,7 @@ def _table(args) -> int:
 
 def _ep_bench(args, ctx) -> None:
     cfg = model_config(args.preset, args.set)
-    if cfg.attention != "eg-mla":
+    if not count_parameters(cfg)["gate_embedding"]:  # counted on the meta device, no weights allocated
         raise ConfigError(
             f"embedding parallelism shards eg-mla's gate tables; {args.preset} is {cfg.attention}"
         )

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from kvlm.attention.mha import MultiHeadAttention
 from kvlm.config import ModelConfig
 from kvlm.data.tokenizer import Tokenizer
 from kvlm.inference.evaluation import load_eval_tokens
@@ -244,7 +245,7 @@ def mla_config_for(
 ) -> ModelConfig:
     """The MLA config a conversion of ``src`` produces (full rank / all rotary dims by default; one shared
     k_rope unless ``rope_kv_heads``, a divisor of the source's kv heads g, asks for more)."""
-    if src.attention not in ("mha", "mqa", "gqa"):
+    if not issubclass(src.mechanism(), MultiHeadAttention):  # reads W^Q, W^K, W^V per head
         raise ConvertError(f"only mha / mqa / gqa models convert to MLA, not {src.attention!r}")
     if not src.rope or src.arch != "llama":
         raise ConvertError("conversion expects a Llama-style model with RoPE")
