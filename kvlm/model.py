@@ -45,6 +45,8 @@ def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
 class SwiGLU(nn.Module):
     """O = (SiLU(H W1) * (H W2)) W_O (mlra.md Appendix D)."""
 
+    column_parallel = ("w1", "w2")  # split by output rows under tensor parallelism (Megatron); W_O by input
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.w1 = Linear(cfg.d_model, cfg.ffn_dim, bias=cfg.bias)
@@ -61,6 +63,8 @@ class SwiGLU(nn.Module):
 
 
 class GeluMLP(nn.Module):
+    column_parallel = ("w1",)  # as SwiGLU's
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.w1 = Linear(cfg.d_model, cfg.ffn_dim, bias=cfg.bias)

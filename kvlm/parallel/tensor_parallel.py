@@ -171,7 +171,7 @@ def mlp_plan(mlp: nn.Module, rank: int, world: int) -> dict:
     d_f = mlp.w1.weight.shape[0]
     if len(torch.arange(d_f).chunk(world)) < world:
         raise ConfigError(f"ffn_dim={d_f} is smaller than the tensor-parallel degree {world}")
-    styles = {name: ColwiseParallel() for name in ("w1", "w2") if hasattr(mlp, name)}
+    styles = {name: ColwiseParallel() for name in mlp.column_parallel}
     styles["wo"] = RowwiseParallel()
     return {"config": {"ffn_dim": len(chunk_indices(d_f, rank, world))}, "parallelize": styles}
 
