@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from kvlm.config import ModelConfig
+from kvlm.files import replace_folder
 
 FORMAT = "kvlm-checkpoint"
 
@@ -52,13 +53,7 @@ def save_checkpoint(
             torch.save(trainer_state, tmp / "trainer_state.pt")
         (tmp / "meta.json").write_text(json.dumps({"format": FORMAT, "version": 1, **(meta or {})}, indent=2))
         _fsync_dir(tmp)
-        if path.exists():
-            old = path.with_name(f".{path.name}.old-{os.getpid()}")
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
+        replace_folder(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

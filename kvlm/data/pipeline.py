@@ -25,6 +25,7 @@ from kvlm.data.prepared import PreparedData, load_prepared
 from kvlm.data.shards import ShardWriter
 from kvlm.data.sources import Source, resolve_source
 from kvlm.data.tokenizer import Tokenizer, describe, tokenizer_from_spec
+from kvlm.files import replace_folder
 from kvlm.logs import get_logger
 
 logger = get_logger(__name__)
@@ -127,13 +128,7 @@ def prepare(
         if out_dir is None:
             out_dir = tmp
         else:
-            if out_dir.exists():
-                old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-                os.replace(out_dir, old)
-                os.replace(tmp, out_dir)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, out_dir)
+            replace_folder(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -19,7 +19,6 @@ export leaves any previous folder intact.
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -27,6 +26,7 @@ from pathlib import Path
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from kvlm.checkpoint import load_checkpoint
+from kvlm.files import replace_folder
 from kvlm.interop.hf_modeling import KVLMConfig, KVLMForCausalLM
 from kvlm.interop.remote_code import AUTO_MAP, write_remote_code
 from kvlm.logs import get_logger
@@ -97,13 +97,7 @@ def export_hf(checkpoint, out: str | Path, *, remote_code: bool = True, dtype=No
             hf_tokenizer(tokenizer).save_pretrained(tmp)
         if remote_code:
             write_remote_code(tmp, model.cfg.attention)
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            os.replace(out, old)
-            os.replace(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, out)
+        replace_folder(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
