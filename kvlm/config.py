@@ -2,6 +2,11 @@
 
 Symbols follow the papers (see ../shared/papers): d = d_model, h = n_head, d_h = head_dim,
 g = n_kv_head, d_c = kv_lora_rank, d'_c = q_lora_rank, d_h^R = rope_head_dim.
+
+Every field is coerced to its declared type on construction (``coerce_fields``, also used by TrainConfig):
+YAML's ``lr: 1e-3`` (a string to PyYAML), ``--set n_layer=4`` or a config.json's ``"n_layer": "4"`` become
+numbers, ``rope: "no"`` becomes False; ``four``, a list, a bool for a number, nan or inf is one ConfigError
+naming the field, the value and the expected type.
 """
 
 from __future__ import annotations
@@ -9,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import types
+import typing
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,6 +30,12 @@ ARCHS = ("llama", "gpt2")
 
 @dataclass
 class ModelConfig:
+    """The architecture of a kvlm model: the attention mechanism (``attention``, a kvlm.attention registry name),
+    the shape, positions and each mechanism's own sizes (symbols as the papers write them: d_c = kv_lora_rank,
+    d_h^R = rope_head_dim). Unset sizes (None) are derived from the shape; ``validate()`` runs on construction
+    and names the first field that does not fit. ``to_dict`` / ``from_dict`` and ``save`` / ``load`` (YAML or JSON) round-trip it;
+    ``replace(**changes)`` makes a changed copy; kvlm.preset_table holds the papers' configurations."""
+
     # --- the mechanism -----------------------------------------------------------------
     attention: str = "mha"  # registry name: mha mqa gqa mla eg-mla mlra-2 mlra-4 gla-2 gla-4 gta mfa tpa
     # --- shape ---------------------------------------------------------------------------
@@ -76,6 +89,9 @@ class ModelConfig:
 
     # ------------------------------------------------------------------------------------
     def __post_init__(self) -> None:
+        coerce_fields(
+            self
+        )  # YAML's "1e-3", a config.json's "4": one type error naming the field, not a crash later
         self.attention = self.attention.lower()
         if self.head_dim is None:
             if self.n_head <= 0 or self.d_model % self.n_head:
@@ -151,6 +167,7 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        check_mapping(data, "ModelConfig")
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known
         if unknown:
@@ -208,6 +225,96 @@ def load_yaml_or_json(text: str, where: str | Path = "<config>") -> dict[str, An
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a mapping of config fields, got {type(data).__name__}")
     return data
+
+
+# --- type checking of config fields -----------------------------------------------------------------------
+# Values arrive from YAML (PyYAML reads `1e-3` as a string), `--set KEY=VALUE`, JSON files written by hand and
+# Python callers. Each field is coerced to its declared type the way a reader would (the string "1e-3" to a
+# float, "4" to an int, "no" to False) by pydantic's TypeAdapter; what cannot be read as that type (`four`, a
+# list, a float for an int, a bool for a number, nan/inf) is one ConfigError naming the field and the value.
+# Values that already have exactly the declared type skip pydantic, so building a config stays cheap and
+# `import kvlm` does not import pydantic.
+_HINTS: dict[type, dict[str, Any]] = {}
+_ADAPTERS: dict[Any, Any] = {}
+_TYPE_WORDS = {int: "an integer", float: "a finite number", bool: "true or false", str: "a string"}
+
+
+def coerce_fields(obj: Any) -> None:
+    """Coerce every field of the dataclass instance ``obj`` to its declared type, in place (ConfigError naming
+    the field, the value and the expected type when it cannot be)."""
+    cls = type(obj)
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = _HINTS[cls] = typing.get_type_hints(cls)
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        hint = hints[f.name]
+        if not _has_exact_type(value, hint):
+            setattr(obj, f.name, _coerce(cls.__name__, f.name, value, hint))
+
+
+def _members(hint: Any) -> tuple[Any, ...]:
+    """int | None -> (int, NoneType); int -> (int,)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return typing.get_args(hint)
+    return (hint,)
+
+
+def _has_exact_type(value: Any, hint: Any) -> bool:
+    for t in _members(hint):
+        if t is type(None) and value is None:
+            return True
+        if t in (int, bool, str) and type(value) is t:
+            return True
+        if t is float and type(value) is float and math.isfinite(value):
+            return True
+        if typing.get_origin(t) is dict and type(value) is dict:
+            return all(type(k) is str for k in value)
+    return False
+
+
+def _expected(hint: Any) -> str:
+    words = []
+    for t in _members(hint):
+        if t is type(None):
+            words.append("null")
+        elif typing.get_origin(t) is dict:
+            words.append("a mapping")
+        else:
+            words.append(_TYPE_WORDS.get(t, getattr(t, "__name__", str(t))))
+    return " or ".join(words)
+
+
+def _coerce(owner: str, name: str, value: Any, hint: Any) -> Any:
+    members = _members(hint)
+    problem = None
+    if isinstance(value, bool) and bool not in members and (int in members or float in members):
+        problem = "a boolean is not a number"  # `n_layer: true` must not mean one layer
+    elif type(value) is int and float in members:
+        return float(value)  # the common case (JSON's 10000 for rope_theta), also where pydantic is absent
+    else:
+        # on use: only values of another type than the declared one get here (an exported model's remote code
+        # runs this file where pydantic may be missing, with values of the declared types)
+        import pydantic
+
+        adapter = _ADAPTERS.get(hint)
+        if adapter is None:
+            adapter = _ADAPTERS[hint] = pydantic.TypeAdapter(
+                hint, config=pydantic.ConfigDict(allow_inf_nan=False)
+            )
+        try:
+            return adapter.validate_python(value)
+        except pydantic.ValidationError as e:
+            problem = e.errors()[0]["msg"]
+    raise ConfigError(f"{owner}.{name}: expected {_expected(hint)}, got {value!r} ({problem})")
+
+
+def check_mapping(data: Any, what: str) -> None:
+    """ConfigError unless ``data`` is a mapping of field names (a config file holding a list or a number)."""
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{what}: expected a mapping of field names to values, got {type(data).__name__} {data!r:.80}"
+        )
 
 
 def config_fields() -> list[str]:

@@ -18,4 +18,22 @@ class CacheError(ValueError):
     """Misuse of a KV cache: out of capacity, wrong batch, dtype, device or layout."""
 
 
-__all__ = ["CacheError", "ConfigError"]
+class OutputError(ValueError):
+    """An output path that cannot be written, or whose writing would replace files kvlm did not write."""
+
+
+class TrainingError(ValueError):
+    """A run that cannot go on: its loss or weights became NaN or infinite (diverged), its run folder holds another
+    run or is in use by another trainer."""
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C during training, after the checkpoint of the current step was saved (``step``, ``checkpoint``:
+    its folder, or None without a run folder)."""
+
+    def __init__(self, step: int, checkpoint=None):
+        super().__init__(step, checkpoint)
+        self.step, self.checkpoint = step, checkpoint
+
+
+__all__ = ["CacheError", "ConfigError", "OutputError", "TrainingError", "TrainingInterrupted"]

@@ -93,6 +93,18 @@ class Block(nn.Module):
 
 
 class KVLM(nn.Module):
+    """The decoder-only language model of a ``ModelConfig``: token embedding, ``n_layer`` pre-norm blocks
+    (the attention mechanism ``cfg.attention`` from kvlm.attention's registry, then the MLP), final norm and LM
+    head (tied to the embedding when ``cfg.tie_embeddings``).
+
+        model = KVLM(cfg)                        # or build_model(cfg, device, dtype)
+        logits = model(tokens)                   # (B, T) ids -> (B, T, vocab): the full causal forward
+        cache = model.new_cache(batch_size=B)    # the mechanism's compact cache (KVCache)
+        logits = model(prompt, cache)            # prefill, then model(next_ids, cache) per decode step
+
+    ``model.cfg`` is its ModelConfig; ``parameter_counts()`` its parameters by part; ``cache_specs()`` the
+    shapes each layer caches per token; call ``prepare_for_inference()`` before decoding (absorbed weights)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -140,6 +152,17 @@ class KVLM(nn.Module):
                 module.prepare_for_inference()
         return self
 
+    def pack_for_decode(self, rows: int | None) -> int:
+        """Pack every weight GEMM and the LM head into MKL's packed layout for steps of ``rows`` = batch x new
+        tokens rows (``Linear.pack_for_decode``); rows=None drops the packed copies. Other row counts keep the
+        unpacked path. Returns how many weights were packed (0 off CPU float32 / without MKL)."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        if rows is None:
+            for m in linears:
+                m.unpack()
+            return 0
+        return sum(m.pack_for_decode(rows) for m in linears)
+
     # --- forward ------------------------------------------------------------------------------
     def forward(
         self,
@@ -159,18 +182,15 @@ class KVLM(nn.Module):
         B, T = tokens.shape
         if T == 0:
             raise ValueError("tokens is empty")
+        self._check_token_ids(tokens, cache)
         if cache is None:
             if T > self.cfg.max_seq_len:
                 raise ValueError(f"sequence of {T} tokens exceeds max_seq_len={self.cfg.max_seq_len}")
             step = Step.build(tokens, 0, None, mode, trace)
-        else:
-            cache.check_append(B, T, self.embed.weight.dtype, tokens.device)
-            if cache.length == 0:  # first use: a cache built for another model fails obscurely deep inside
-                self._check_cache_fits(cache)
-            if mode == "auto" and cache.mode == "naive":
-                mode = "naive"  # a materialised K/V cache has one route
-            step = Step.build(tokens, cache.length, cache.pad, mode, trace)
-            step.cached_token_ids = cache.append_token_ids(tokens, step)
+        else:  # the cache places the tokens (KVCache: shared slots; a paged batch: per-sequence lengths)
+            if not torch.compiler.is_compiling():
+                self._check_cache_fits(cache)  # every call, not only the first: cheap after the first (memo)
+            step = cache.begin_step(tokens, self.embed.weight.dtype, mode, trace, fits=self._check_cache_fits)
         x = self.embed(tokens)
         if self.pos_embed is not None:
             x = x + self.pos_embed(step.positions)
@@ -178,16 +198,26 @@ class KVLM(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, step, cache.layers[i] if cache is not None else None)
         if cache is not None:
-            cache.length = step.end
+            cache.commit(step)
         if last_only:
             x = x[:, -1:]
         return self.lm_head(self.norm(x))
 
     # --- cache --------------------------------------------------------------------------------
     def cache_specs(self, naive: bool = False) -> list[dict[str, tuple[int, ...]]]:
+        """Per layer, {cached tensor name: per-token shape} (e.g. MLA's c_kv and k_rope); naive=True: the
+        materialised per-head K/V instead."""
         return [b.attn.cache_spec(naive=naive) for b in self.layers]
 
     def _check_cache_fits(self, cache: KVCache) -> None:
+        """CacheError unless ``cache`` holds this model's per-layer specs in its mode (a used cache of another model
+        would otherwise be read as if it were this one's, or fail with a shape error deep inside). The spec lists
+        that passed are remembered by identity (a cache keeps its list; a paged batch shares its cache's), so
+        a call pays one dict lookup, not a per-layer comparison."""
+        memo = self.__dict__.setdefault("_fitting_specs", {})
+        key = (id(cache.specs), cache.mode)
+        if memo.get(key) is cache.specs:
+            return
         want = self.cache_specs(naive=cache.mode == "naive")
         have = [{k: tuple(v) for k, v in s.items()} for s in cache.specs]
         if have != [{k: tuple(v) for k, v in s.items()} for s in want]:
@@ -195,6 +225,28 @@ class KVLM(nn.Module):
                 f"this cache was not built for this model: it holds {len(have)} layers {have[:1]}, the model "
                 f"needs {len(want)} layers {want[:1]} (mode {cache.mode!r}); use model.new_cache(...)"
             )
+        if len(memo) >= 8:  # a few caches in turn (batches, beams) stay cheap; never grows without bound
+            memo.clear()
+        memo[key] = cache.specs
+
+    def _check_token_ids(self, tokens: torch.Tensor, cache) -> None:
+        """ValueError naming a token id outside [0, vocab_size) (embedding's bare IndexError on CPU, a device-side
+        assert on CUDA). Always on CPU; on an accelerator, where reading the ids back stalls the queue, for calls
+        of several tokens (prompts, training batches): a one-token decode step is fed by the sampler."""
+        if tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
+            raise ValueError(f"tokens must be integer token ids, got dtype {tokens.dtype}")
+        if torch.compiler.is_compiling():
+            return
+        if tokens.device.type != "cpu":
+            if (cache is not None and tokens.shape[1] == 1) or (
+                tokens.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+            ):
+                return
+        lo, hi = torch.stack(torch.aminmax(tokens)).tolist()  # one read-back, not two
+        vocab = self.cfg.vocab_size
+        if lo < 0 or hi >= vocab:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab}) of this model (vocab_size={vocab})")
 
     def new_cache(
         self,
@@ -225,6 +277,7 @@ class KVLM(nn.Module):
 
     # --- accounting -----------------------------------------------------------------------------
     def parameter_counts(self) -> dict[str, int]:
+        """Parameter counts by part (total, embedding, gate_embedding, attention, ffn, ...): parameter_counts_of."""
         return parameter_counts_of(self)
 
 
@@ -258,6 +311,12 @@ def parameter_counts_of(model: KVLM) -> dict[str, int]:
 def build_model(
     cfg: ModelConfig, device: torch.device | str | None = None, dtype: torch.dtype | None = None
 ) -> KVLM:
+    """A new ``KVLM`` for ``cfg`` with freshly initialised weights (seed torch first for reproducible ones),
+    allocated directly on ``device`` (default: cpu) and cast to ``dtype`` if given (default: float32).
+
+        model = build_model(ModelConfig(attention="mla", n_layer=4, d_model=256, n_head=8), device="cuda")
+        model = build_model(get_preset("tiny/mla"))    # kvlm.preset_table: the papers' configurations
+    """
     model = KVLM(cfg) if device is None else _build_on(cfg, device)
     if dtype is not None:
         model = model.to(dtype)

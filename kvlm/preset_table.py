@@ -110,7 +110,10 @@ _MLRA_29B = dict(
     vocab_size=50304,
     max_seq_len=2048,
     tie_embeddings=True,
-    rope_theta=500000.0,  # Llama-3.2-3B
+    # the authors' model files (github.com/SongtaoLiu0823/MLRA, model/*.py): Rotary(base=10000) and
+    # RMSNorm(eps=1e-6) in every one, whatever the paper's "Llama-3" blocks suggest
+    rope_theta=10000.0,
+    norm_eps=1e-6,
     zero_init_out=True,  # Sec. 4.2.1: zero-initialised W^{O,attn}, W^{O,mlp} for all models
     init_std=0.02,
 )

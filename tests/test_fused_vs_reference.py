@@ -150,9 +150,12 @@ def test_left_padded_batch_in_every_mode(attention, overrides):
         assert not bad, (key, bad)
 
 
-def test_the_fused_kernels_run():
-    """The float32 calls above do reach SDPA's fused CPU kernel (not only the math fallbacks)."""
+def test_the_fused_kernels_run(monkeypatch):
+    """The float32 calls above do reach SDPA's fused CPU kernel (not only the math fallbacks). kvlm's own decode
+    kernels (kvlm.kernels, tests/test_kernels.py) take cached calls first: off here, so SDPA's path is the one run."""
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    monkeypatch.setenv("KVLM_KERNELS", "0")
 
     class Ops(TorchDispatchMode):
         def __init__(self):

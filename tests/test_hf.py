@@ -236,3 +236,30 @@ def test_export_hf_cli(tmp_path, tokenizer, capsys):
     assert "auto_map" not in json.loads((tmp_path / "hf" / "config.json").read_text())
     assert main(["export-hf", str(tmp_path / "missing"), str(tmp_path / "hf2")]) == 1
     assert not (tmp_path / "hf2").exists()
+
+
+def test_remote_code_replaces_kvlm_kernels_by_the_plain_path_stand_in():
+    """kvlm.kernels (a C++ source built on first use, a Triton module) cannot be a flat file: its imports become
+    imports of a stand-in whose ``ready`` is False, so the folder's attention takes the plain path."""
+    from kvlm.interop.remote_code import FALLBACKS, RemoteCodeError, bundle, rewrite_imports
+
+    source = "from kvlm import kernels\n\n\ndef f(q):\n    return kernels.ready(q, 1) or kernels.latent_decode(q)\n"
+    out, deps = rewrite_imports("kvlm.attention.example", source)
+    assert out == source.replace("from kvlm import kernels", "from .kvlm_kernels_fallback import kernels")
+    assert deps == ["kvlm_kernels_fallback"]
+    out, _ = rewrite_imports("kvlm.attention.example", "from kvlm.kernels import ready as r, gqa_decode\n")
+    assert out == "from .kvlm_kernels_fallback import ready as r, gqa_decode\n"
+    for bad in (
+        "from kvlm import kernels\nkernels.new_kernel(1)\n",  # a name the stand-in lacks: refused at export
+        "from kvlm.kernels import new_kernel\n",
+    ):
+        with pytest.raises(RemoteCodeError, match="stand-in"):
+            rewrite_imports("kvlm.attention.example", bad)
+    files = bundle(["kvlm.attention.mla", "kvlm.attention.mha"])
+    assert "kvlm_kernels_fallback.py" in files and not any(
+        f.startswith("kvlm_kernels_") and f != "kvlm_kernels_fallback.py" for f in files
+    )
+    stand_in: dict = {}
+    exec(FALLBACKS["kvlm.kernels"][1], stand_in)
+    assert stand_in["kernels"].ready(torch.zeros(1), 1) is False
+    assert stand_in["latent_decode"](None) is None and stand_in["gqa_decode"](None) is None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -13,14 +14,22 @@ pytest.importorskip("lm_eval", reason="needs lm-evaluation-harness (pip install 
 pytest.importorskip("transformers", reason="needs transformers (pip install 'kvlm[hf]')")
 
 ROOT = Path(__file__).resolve().parents[1]
-TASKS = ROOT / "examples" / "lm_eval_tasks"
+TASKS = ROOT / "kvlm" / "interop" / "lm_eval_tasks"
 LIMIT = 16
 
 
 @pytest.fixture(scope="module")
-def winogrande() -> Path:
-    """The local WinoGrande file the winogrande_local task reads (every test here needs it)."""
-    return shared_path("eval", "winogrande-bb", "test.jsonl")
+def winogrande():
+    """The local WinoGrande file the winogrande_local task reads (every test here needs it), handed to the task
+    through its environment variable (the example has no default location)."""
+    path = shared_path("eval", "winogrande-bb", "test.jsonl")
+    before = os.environ.get("KVLM_WINOGRANDE_PATH")
+    os.environ["KVLM_WINOGRANDE_PATH"] = str(path)
+    yield path
+    if before is None:
+        os.environ.pop("KVLM_WINOGRANDE_PATH", None)
+    else:
+        os.environ["KVLM_WINOGRANDE_PATH"] = before
 
 
 @pytest.fixture(scope="module")
@@ -103,3 +112,16 @@ def test_lm_eval_cli_wrapper(checkpoint, tmp_path, monkeypatch, capsys):
          "--limit", "4", "--batch_size", "2", "--output_path", str(tmp_path / "out")])  # fmt: skip
     assert "winogrande_local" in capsys.readouterr().out
     assert list((tmp_path / "out").rglob("results_*.json"))
+
+
+def test_local_task_without_a_data_file_says_how_to_give_one(monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("wg_utils", TASKS / "winogrande_local" / "utils.py")
+    utils = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(utils)
+    monkeypatch.delenv("KVLM_WINOGRANDE_PATH", raising=False)
+    with pytest.raises(FileNotFoundError, match="KVLM_WINOGRANDE_PATH"):
+        utils.load_local()
+    with pytest.raises(FileNotFoundError, match="no data file at"):
+        utils.load_local(data_path="/nonexistent/wg.jsonl")

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.flop_counter import register_flop_formula
 
 from kvlm.attention.step import MODES, Step, attend
 from kvlm.config import ModelConfig, spec_numel
@@ -47,18 +48,83 @@ class Linear(nn.Linear):
     Decode multiplies a handful of rows by every weight, so it is bound by reading the weights. On CPU, MKL
     streams a (out, in) weight markedly faster as the left operand: measured on this project's 2-core machine,
     the 32000 x 768 LM head at batch 8 took 12.4 ms this way against 25.6 ms for F.linear, the 768 x 2048 FFN
-    down-projection 1.0 ms against 3.0 ms. Same parameters and state dict as nn.Linear."""
+    down-projection 1.0 ms against 3.0 ms. Below 4 rows it is the other way round (all weights of the reference
+    shape streamed, 2 threads: 2-3 rows 17 ms x W^T against 30 ms W x^T; 1 row ties), so those take F.linear.
+    Fastest at 4-16 rows: the weights packed for MKL's GEMM (``pack_for_decode``). Same parameters and state
+    dict as nn.Linear."""
 
     small_rows = 16
+    min_rows = 4  # fewer rows: F.linear (benchmarks/decode_limit.py, "GEMMs alone")
+    # MKL's packed sgemm (the op Inductor's freezing uses) for one batch size: ``pack_for_decode(rows)``
+    _packed: tuple | None = None
+
+    def pack_for_decode(self, rows: int) -> bool:
+        """Reorder the weight once into MKL's packed GEMM layout for products of exactly ``rows`` rows (a
+        decode batch, or batch x new tokens). Streaming the reference shape's weights from memory at 4-8 rows it
+        ran 1.6x faster than the best unpacked layout, at 2-3 rows as fast as F.linear, at 1 row all tie
+        (benchmarks/decode_limit.py, "GEMMs alone"). float32 CPU weights with MKL only
+        (returns False otherwise); dropped by train(True), moving/casting, or any write to the weight."""
+        w = self.weight
+        if w.device.type != "cpu" or w.dtype != torch.float32 or not torch.backends.mkl.is_available():
+            self._packed = None
+            return False
+        key = (w.data_ptr(), _version(w), rows)
+        if self._packed is None or self._packed[0] != key:
+            with torch.no_grad():
+                self._packed = (key, torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), rows))
+        return True
+
+    def unpack(self) -> None:
+        self._packed = None
+
+    def train(self, mode: bool = True):
+        if mode:
+            self._packed = None
+        return super().train(mode)
+
+    def _apply(self, fn, recurse=True):
+        self._packed = None
+        return super()._apply(fn, recurse)
+
+    def _packed_for(self, x: torch.Tensor, rows: int) -> torch.Tensor | None:
+        key, packed = self._packed
+        w = self.weight
+        if key != (w.data_ptr(), _version(w), rows) or x.dtype != torch.float32:
+            return None
+        if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+            return None  # the packed product has no backward through the packed weight
+        return torch.ops.mkl._mkl_linear(x, packed, w, self.bias, rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.numel() else 0
-        if rows == 0 or rows > self.small_rows or x.device.type != "cpu":
+        if self._packed is not None and x.device.type == "cpu":
+            y = self._packed_for(x, rows)
+            if y is not None:
+                return y
+        if rows < self.min_rows or rows > self.small_rows or x.device.type != "cpu":
             return F.linear(x, self.weight, self.bias)
         y = torch.mm(self.weight, x.reshape(rows, -1).t()).t()
         if self.bias is not None:
             y = y + self.bias
         return y.contiguous().view(*x.shape[:-1], self.out_features)
+
+
+def _packed_linear_flops(input_shape, packed_shape, weight_shape, *args, out_shape=None, **kwargs) -> int:
+    """FLOPs of MKL's packed linear, as of the matmul it replaces (torch's FLOP counter lacks the op)."""
+    return 2 * math.prod(input_shape[:-1]) * input_shape[-1] * weight_shape[0]
+
+
+if torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"):
+    try:
+        register_flop_formula(torch.ops.mkl._mkl_linear)(_packed_linear_flops)
+    except RuntimeError:  # registered already (a reload of this module)
+        pass
+
+
+def _version(w: torch.Tensor) -> int:
+    """The weight's in-place write counter (stale packed copies); inference tensors (a model built under
+    torch.inference_mode) have none: their packed copy is trusted until repacked."""
+    return -1 if w.is_inference() else w._version
 
 
 class GateEmbedding(nn.Embedding):

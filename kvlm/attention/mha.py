@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from kvlm import kernels
 from kvlm.attention.base import Attention, Linear, Step, attend, require, softmax_scale
 from kvlm.attention.registry import register
 from kvlm.attention.rope import RotaryEmbedding, apply_rope
@@ -69,12 +70,25 @@ class MultiHeadAttention(Attention):
         if self.rope is not None:
             cos, sin = step.cos_sin(self.rope, x.dtype)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        self.record_route(step, "plain")
+        if cache is not None and kernels.ready(q, step.n_new):
+            return self.output(self.attend_kernel(q, k, v, step, cache), x)
         if cache is not None:
             k = self.write(cache, "k", k, step)
             v = self.write(cache, "v", v, step)
-        self.record_route(step, "plain")
         o = attend(q, k, v, step, softmax_scale(self.head_dim))
         return self.output(o, x)
+
+    def attend_kernel(self, q, k, v, step: Step, cache: CacheLayer) -> torch.Tensor:
+        """Decode through the fused kernel over the cache in place (kvlm.kernels.gqa_decode); ``attend`` over
+        what was just stored when it declines the cache (e.g. an fp8 pool)."""
+        cache.store("k", k, step)
+        cache.store("v", v, step)
+        scale = softmax_scale(self.head_dim)
+        o = kernels.gqa_decode(q, cache.block_view("k", step), cache.block_view("v", step), step.n_new, scale)
+        if o is None:
+            o = attend(q, cache.read("k", step.end), cache.read("v", step.end), step, scale)
+        return o
 
     def tp_plan(self, rank: int, world: int) -> dict:
         """By KV head (mlra.md Table 1): the rank's query heads and the KV heads they read, on torch's

@@ -57,6 +57,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from kvlm import kernels
 from kvlm.attention import register
 from kvlm.attention.base import Step, require
 from kvlm.attention.latent import LatentAttention, check_latent_config
@@ -240,7 +241,18 @@ class MLA(LatentAttention):
         """Write the new latents, then attend in latent space (mlra.md Sec. 2.1 Steps 1-3)."""
         aw = self.absorbed_weights()
         q_lat, q_rope = self.absorb_query(x, cs, aw)
-        lat = self.write_latents(self.latents(x, cs), step, cache)
+        lat = self.latents(x, cs)
+        if cache is not None and not self.separate and kernels.ready(q_lat, step.n_new, latent=True):
+            # fused flash-decoding over the cache in place (kvlm.kernels); the plain path below if it declines
+            for name, t in lat.items():
+                cache.store(name, t, step)
+            view = {name: cache.block_view(name, step) for name in lat}
+            z = kernels.latent_decode(q_lat, q_rope, view["c_kv"], view.get("k_rope"), step.n_new, self.scale)
+            if z is not None:
+                return self.absorbed_output(z, x, aw)
+            lat = {name: cache.read(name, step.end) for name in lat}
+        else:
+            lat = self.write_latents(lat, step, cache)
         c_k, c_v = (lat["c_k"], lat["c_v"]) if self.separate else (lat["c_kv"], lat["c_kv"])
         z = latent_attention(q_lat, q_rope, c_k, lat.get("k_rope"), c_v, step, self.scale)
         return self.absorbed_output(z, x, aw)

@@ -104,6 +104,44 @@ class Step:
         mask = (mask | (own & ~valid[:, None, :]))[:, None]
         return Step(positions, start, end, mask, False, token_ids, mode, trace=trace)
 
+    @staticmethod
+    def build_ragged(
+        token_ids: torch.Tensor,
+        seq_lens: torch.Tensor,
+        mode: str = "auto",
+        trace: list[tuple[int, str]] | None = None,
+        n_new: torch.Tensor | None = None,
+    ) -> Step:
+        """Positions and mask for sequences with their own lengths (a paged cache: no shared slots, no padding).
+
+        Sequence b holds seq_lens[b] tokens; its T new tokens take positions len_b .. len_b + T - 1 and its
+        keys are logical slots [0, len_b + T). Keys are gathered up to end = max(len_b) + T; key j is visible
+        to new token t of sequence b iff j <= len_b + t (the slots past a shorter sequence's end are masked).
+        ``start`` is min(len_b): the first slot any sequence writes (layouts index by ``positions``).
+
+        ``n_new`` (B,): rows with fewer new tokens than T (several prefill chunks in one call), each row's
+        n_new[b] real tokens last (left padding, so the last column is every row's last token). A padding token
+        gets position len_b and sees keys [0, len_b], never an empty row (no NaN); the cache stores none of them
+        and no real token sees them, so their outputs are ignored."""
+        if mode not in MODES:
+            raise ValueError(f"unknown attention mode {mode!r}; known: {', '.join(MODES)}")
+        B, T = token_ids.shape
+        device = token_ids.device
+        seq_lens = seq_lens.to(device=device, dtype=torch.long)
+        offsets = torch.arange(T, device=device)
+        padded = n_new is not None and bool((n_new != T).any())
+        if padded:
+            offsets = (offsets - (T - n_new.to(device=device, dtype=torch.long))[:, None]).clamp(min=0)
+        positions = seq_lens[:, None] + offsets  # (B, T)
+        start = int(seq_lens.min())
+        end = int(positions[:, -1].max()) + 1
+        mask = None
+        # padded, ragged, or a chunk after cached tokens
+        if padded or start != end - T or T > 1 and start > 0:
+            key = torch.arange(end, device=device)
+            mask = (key[None, None, :] <= positions[:, :, None])[:, None]  # (B, 1, T, end)
+        return Step(positions, start, end, mask, True, token_ids, mode, trace=trace)
+
 
 def attend(
     q: torch.Tensor,

@@ -19,9 +19,12 @@ Modules, one job each:
   ``flops``: ``CountFlops``. ``hardware``: ``machine_info``, ``measure_hardware`` (bandwidth, matmul peak).
 - ``measure``: ``bench_prefill`` / ``bench_decode`` of a kvlm model (also used by `kvlm compare` and the
   tensor-parallel bench) and of a transformers peer. ``peers``: the peers (``build_peer``, by ``hf_peer``).
-- ``roofline``: ``streamed_weight_bytes``, ``roofline``, the operation classes. ``runner``: ``run(plan)`` ->
-  the result dict. ``report``: markdown tables and derived comparisons (``peer_ratios``, ``route_table``).
-  ``plots``: the decode plot. ``parallel``: tensor-parallel and embedding-parallel benchmarks.
+- ``roofline``: ``streamed_weight_bytes``, ``roofline``, the operation classes. ``opstime``: the measured
+  time per operation class (attention = step - step at 1 cached token). ``costmodel``: ``project_decode`` of a
+  config on a ``Hardware`` (published specs in ``HARDWARE``, or ``measured_cpu``), for `kvlm kv-table
+  --hardware`. ``runner``: ``run(plan)`` -> the result dict. ``report``: markdown tables and derived
+  comparisons (``peer_ratios``, ``route_table``). ``plots``: the decode plot. ``parallel``: tensor-parallel
+  and embedding-parallel benchmarks.
 
 The command line (argument parsing, files written) is ``kvlm.cli.bench``.
 """

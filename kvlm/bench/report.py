@@ -56,6 +56,10 @@ OPERATION_COLUMNS = [
     ("LM head floor ms", lambda r: r["LM head"]["floor_ms"]),
     ("sum of floors ms", lambda r: sum(c["floor_ms"] for c in r["operations"].values())),
     ("ms/step", "median_ms"),
+    ("x floor", lambda r: r["median_ms"] / sum(c["floor_ms"] for c in r["operations"].values())),
+    ("weights x floor", lambda r: r["weight GEMMs"].get("x_floor")),
+    ("attention x floor", lambda r: r["attention"].get("x_floor")),
+    ("LM head x floor", lambda r: r["LM head"].get("x_floor")),
 ]  # fmt: skip
 
 

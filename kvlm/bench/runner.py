@@ -14,6 +14,7 @@ import torch
 
 from kvlm.bench.hardware import best_of, load_average, machine_info, measure_hardware
 from kvlm.bench.measure import bench_decode, bench_peer_decode, bench_peer_prefill, bench_prefill
+from kvlm.bench.opstime import attach, base_times, operation_times
 from kvlm.bench.peers import PeerUnavailable, agreement_tolerance, build_peer, max_logit_diff
 from kvlm.bench.plan import Plan
 from kvlm.bench.report import peer_ratios, route_table
@@ -29,6 +30,7 @@ from kvlm.bench.routes import route_name, set_gate_tables
 from kvlm.config import spec_numel
 from kvlm.logs import get_logger
 from kvlm.model import build_model
+from kvlm.progress import Progress
 
 log = get_logger(__name__)
 
@@ -60,6 +62,8 @@ def run(plan: Plan) -> dict[str, Any]:
     hw = _hardware(plan)  # again at the end: a busy machine at either end does not lower the floors
     models, prefill, decode, peers = {}, [], [], []
     elt = torch.empty((), dtype=dtype).element_size()
+    # kvlm.progress: one step per (variant, mode) and per peer comparison; a bar on a terminal, else log lines
+    bar = Progress(sum(len(v.modes) + bool(plan.peers) for v in plan.variants), "bench", "case")
     for variant in plan.variants:
         cfg = variant.cfg
         need = max(max(plan.context) + max(plan.warmup, 1) + plan.steps, max(plan.prompt))
@@ -87,10 +91,13 @@ def run(plan: Plan) -> dict[str, Any]:
             for r in rows:
                 r["attention_cost"] = attention_cost(cfg, r["batch"], r["context"], r["mode"], elt)
             decode += rows
+            bar.update(1)
         if plan.peers:
             peers.append(_run_peer(variant.label, model, plan, weight_bytes, hw, prefill, decode))
+            bar.update(1)
         del model
         gc.collect()
+    bar.close()
     result.update(models=models, prefill=prefill, decode=decode, peers=peers)
     result["load_average_end"] = load_average()
     result["hardware"] = best_of(hw, _hardware(plan))
@@ -105,6 +112,8 @@ def run(plan: Plan) -> dict[str, Any]:
         if "attention_cost" in r:
             classes = operation_classes(m["weight_classes"], r.pop("attention_cost"), r["batch"])
             r["operations"] = operation_roofline(classes, result["hardware"])
+            if "op_ms" in r:
+                attach(r["operations"], r.pop("op_ms"))
     result["ratios"] = peer_ratios(decode, prefill)
     result["routes"] = route_table(result)
     return result
@@ -153,11 +162,14 @@ def _run_mode(model, label, mode, plan: Plan, hw, weight_bytes, prefill) -> list
             proute = "auto" if pmode == "auto" else route_name(cfg, pmode)  # auto prefill: expand
             prefill.append({**base, "route": proute, "mode": pmode, "batch": b, "prompt": p, **row})
             log.info(f"  prefill {proute:12s} B={b:<3d} T={p:<6d} {row['median_ms']:9.2f} ms")
+        op_base = None  # the step at 1 cached token and the LM head: what the per-operation times subtract
         for c in plan.context:
             row = bench_decode(model, b, c, run_mode, plan.warmup, plan.steps, plan.budget_s)
             row.update(
                 roofline(weight_bytes, row["kv_cache_bytes"], hw, row["median_ms"], row["flops_per_step"])
             )
+            op_base = op_base or base_times(model, b, run_mode, plan.warmup, plan.steps, plan.budget_s)
+            row["op_ms"] = operation_times(row["median_ms"], op_base)
             decode.append({**base, "mode": mode, "batch": b, "context": c, **row})
             _log_decode(base["route"], b, c, row)
     set_gate_tables(model, False)

@@ -53,14 +53,14 @@ class KVCache:
             if store_token_ids
             else None
         )
+        self.length = 0  # slots filled (shared by the batch)
+        self.pad = torch.zeros(batch_size, dtype=torch.long, device=self.device)
         self.layers: list[ContiguousLayer] = [
             ContiguousLayer(
-                spec, batch_size, max_seq_len, dtype, mode == "naive", self.token_ids, self.device
+                spec, batch_size, max_seq_len, dtype, mode == "naive", self.token_ids, self.device, self.pad
             )
             for spec in specs
         ]
-        self.length = 0  # slots filled (shared by the batch)
-        self.pad = torch.zeros(batch_size, dtype=torch.long, device=self.device)
 
     # --- accounting -------------------------------------------------------------------------
     @property
@@ -86,6 +86,29 @@ class KVCache:
     def seq_lengths(self) -> torch.Tensor:
         """Real (unpadded) tokens held per sequence."""
         return self.length - self.pad
+
+    # --- one model call -------------------------------------------------------------------------
+    def begin_step(self, tokens: torch.Tensor, dtype: torch.dtype, mode: str = "auto", trace=None, fits=None):
+        """Check and place the new tokens (B, T) of one model call: the ``Step`` every layer shares (slots
+        [length, length + T), left padding masked) with the tokens' ids stored. ``fits(cache)`` checks on
+        first use that the cache was built for the calling model. ``commit(step)`` after the layers."""
+        from kvlm.attention.step import Step  # the attention layer sits above the cache in the layering
+
+        B, T = tokens.shape
+        self.check_append(B, T, dtype, tokens.device)
+        if (
+            self.length == 0 and fits is not None
+        ):  # a cache built for another model fails obscurely deep inside
+            fits(self)
+        if mode == "auto" and self.mode == "naive":
+            mode = "naive"  # a materialised K/V cache has one route
+        step = Step.build(tokens, self.length, self.pad, mode, trace)
+        step.cached_token_ids = self.append_token_ids(tokens, step)
+        return step
+
+    def commit(self, step: Step) -> None:
+        """The layers have stored the step's tokens: they are now cached."""
+        self.length = step.end
 
     # --- use ----------------------------------------------------------------------------------
     def append_token_ids(self, tokens: torch.Tensor, step: Step) -> torch.Tensor | None:

@@ -6,12 +6,17 @@ buffers, later paged or quantized blocks) can change without touching any mechan
 
 Tensors are exchanged in the attention layout (B, *lead, tokens, last): a per-token shape (*lead, last) from the
 spec, the token axis second to last (for MHA (B, g, S, d_h), what SDPA reads). ``append`` returns every cached
-token of the tensor, old and new, ready to attend over.
+token of the tensor, old and new, ready to attend over (for the paged layout a gathered, dequantized copy).
+
+A kernel that reads the storage in place calls ``store`` (write only) and then ``block_view``: the pages, the
+block table and each sequence's [start, end) (``BlockView``); the contiguous buffer is the one-page-per-sequence
+case, so one kernel serves both layouts.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,6 +25,24 @@ from kvlm.config import spec_numel
 
 if TYPE_CHECKING:
     from kvlm.attention.step import Step
+
+
+@dataclass(frozen=True, slots=True)
+class BlockView:
+    """Where one cached tensor's keys of a batch lie, for a kernel that reads them in place (no gather).
+
+    ``pool`` (N_pages, *lead, P, last) holds pages of ``page_size`` P tokens; sequence b's logical slot j is
+    page ``block_table[b, j // P]``, row ``j % P``; its keys are the slots [start[b], end[b]) after this step's
+    tokens are stored. The contiguous buffer (B, *lead, max_seq_len, last) is the case N = B, P = max_seq_len,
+    block_table = arange(B)[:, None], start = left padding. ``scale`` (N_pages, *lead, P, 1) holds per-token
+    scales when the pool is quantized (value = pool * scale), else None."""
+
+    pool: torch.Tensor
+    block_table: torch.Tensor  # (B, max_blocks) int32
+    start: torch.Tensor  # (B,) int32
+    end: torch.Tensor  # (B,) int32
+    page_size: int
+    scale: torch.Tensor | None = None
 
 
 class CacheLayer(Mapping[str, torch.Tensor]):
@@ -54,6 +77,15 @@ class CacheLayer(Mapping[str, torch.Tensor]):
 
     def read(self, name: str, end: int) -> torch.Tensor:
         """The cached ``name`` tensor of slots [0, end), (B, *lead, end, last)."""
+        raise NotImplementedError
+
+    def store(self, name: str, value: torch.Tensor, step: Step) -> None:
+        """Write value (B, *lead, T, last), the new tokens' ``name`` tensor, without gathering anything back
+        (for a kernel that then reads the keys through ``block_view``)."""
+        raise NotImplementedError
+
+    def block_view(self, name: str, step: Step) -> BlockView:
+        """The storage of ``name`` as pages and a block table, valid after this step's tokens are stored."""
         raise NotImplementedError
 
     def token_ids(self, end: int) -> torch.Tensor:
@@ -92,8 +124,9 @@ class ContiguousLayer(CacheLayer):
     """Today's layout: one preallocated (B, *lead, max_seq_len, last) buffer per cached tensor. The filled
     part ``buf[..., :end, :]`` is a strided view, so attention reads the cache without a copy."""
 
-    def __init__(self, spec, batch_size, max_seq_len, dtype, naive, token_ids=None, device="cpu"):
+    def __init__(self, spec, batch_size, max_seq_len, dtype, naive, token_ids=None, device="cpu", pad=None):
         super().__init__(spec, batch_size, max_seq_len, dtype, naive, token_ids)
+        self._pad = pad  # (B,) left padding, shared with the model cache (the start of each sequence's keys)
         self.buffers: dict[str, torch.Tensor] = {}
         for name, shape in self.spec.items():
             *lead, last = shape
@@ -103,6 +136,23 @@ class ContiguousLayer(CacheLayer):
         buf = self.buffers[name]
         buf[..., step.start : step.end, :] = value.to(buf.dtype)
         return buf[..., : step.end, :]
+
+    def store(self, name: str, value: torch.Tensor, step: Step) -> None:
+        buf = self.buffers[name]
+        buf[..., step.start : step.end, :] = value.to(buf.dtype)
+
+    def block_view(self, name: str, step: Step) -> BlockView:
+        """One page per sequence, as long as the cache: its keys are slots [left pad, step.end)."""
+        buf = self.buffers[name]
+        B, device = buf.shape[0], buf.device
+        start = self._pad if self._pad is not None else torch.zeros(B, dtype=torch.long, device=device)
+        return BlockView(
+            pool=buf,
+            block_table=torch.arange(B, dtype=torch.int32, device=device)[:, None],
+            start=start.to(torch.int32),
+            end=torch.full((B,), step.end, dtype=torch.int32, device=device),
+            page_size=self.max_seq_len,
+        )
 
     def read(self, name: str, end: int) -> torch.Tensor:
         return self.buffers[name][..., :end, :]

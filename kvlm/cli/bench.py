@@ -9,7 +9,6 @@ tensor-parallel bench (``kvlm.cli.parallel_bench.bench_main``).
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -17,6 +16,7 @@ import torch
 from kvlm.bench import SHAPE_FIELDS, SUITES, Plan, make_plan, markdown, plot, run
 from kvlm.bench.suites import DTYPES
 from kvlm.cli.common import parse_int_list
+from kvlm.files import json_text, prepare_output_file
 from kvlm.logs import setup_logging
 
 
@@ -44,7 +44,7 @@ def add_arguments(p) -> None:
         p.add_argument(
             f"--{name.replace('_', '-')}", type=int, dest=name, help=f"model {name} (overrides the suite)"
         )
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="weights and cache dtype")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (cuda if available)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-peers", action="store_true", help="skip the transformers peers")
@@ -60,7 +60,7 @@ def add_arguments(p) -> None:
         help="the variant every decode route is compared with in the route table (default: the suite's, else "
         "the first variant)",
     )
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights and prompts")
     p.add_argument("--out", help="write the result JSON here (and the plot next to it unless --plot)")
     p.add_argument("--plot", help="write the decode plot (PNG) here")
     p.add_argument("--markdown", help="write the result tables (markdown) here")
@@ -105,6 +105,10 @@ def main(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     plan = plan_from_args(args)
+    # before minutes of measuring: every output path must be writable (parent folders are created)
+    prepare_output_file(args.out, "--out")
+    prepare_output_file(args.markdown, "--markdown")
+    prepare_output_file(args.plot or (Path(args.out).with_suffix(".png") if args.out else None), "--plot")
     if args.tp > 1:  # under torchrun only: the distributed stack is not needed by a plain `kvlm bench`
         from kvlm.cli.parallel_bench import bench_main
 
@@ -122,7 +126,7 @@ def main(args) -> int:
         result["plot"] = str(plot_path)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        Path(args.out).write_text(json_text(result, indent=1) + "\n")
     if args.json:
-        print(json.dumps(result))
+        print(json_text(result))
     return 0

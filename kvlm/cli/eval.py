@@ -8,9 +8,7 @@ import importlib.util
 import json
 import sys
 
-import torch
-
-from kvlm.checkpoint import load_checkpoint
+from kvlm.cli.common import check_utf8, finite_float, nonnegative_int, positive_int, resolve_device
 from kvlm.inference.evaluation import (
     DEFAULT_PROMPTS,
     EvalError,
@@ -20,28 +18,41 @@ from kvlm.inference.evaluation import (
     repetition_metrics,
     sample_continuations,
 )
+from kvlm.interop.hf_folder import load_model_folder
 
 
 def add_arguments(p) -> None:
-    p.add_argument("checkpoint", help="checkpoint folder")
+    p.add_argument("checkpoint", help="checkpoint folder, or a Hugging Face folder: a `kvlm export-hf` export "
+                   "(any --format), a Llama or dense DeepseekV3 model")  # fmt: skip
     p.add_argument("--data", default=None,
                    help="prepared data folder or raw .txt/.jsonl file (default: the data recorded in the checkpoint)")  # fmt: skip
     p.add_argument("--split", default="val", help="split of a prepared data folder (default val)")
     p.add_argument(
-        "--seq-len", type=int, default=None, help="window length (default: the model's max_seq_len)"
+        "--seq-len", type=positive_int, default=None, help="window length (default: the model's max_seq_len)"
     )
-    p.add_argument("--stride", type=int, default=None, help="sliding windows (default: seq-len, no overlap)")
-    p.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens")
-    p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--samples", type=int, default=8, help="sampled continuations for repetition (0: none)")
+    p.add_argument(
+        "--stride", type=positive_int, default=None, help="sliding windows (default: seq-len, no overlap)"
+    )
+    p.add_argument("--max-tokens", type=positive_int, default=None, help="score only the first N tokens")
+    p.add_argument("--batch-size", type=positive_int, default=4, help="windows scored together")
+    p.add_argument("--samples", type=nonnegative_int, default=None,
+                   help="sampled continuations for repetition (0: none; default 8, or 0 with --tasks)")  # fmt: skip
     p.add_argument("--prompts", nargs="+", default=None, help="prompts for the samples (default: fixed set)")
-    p.add_argument("--sample-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--sample-tokens", type=positive_int, default=64, help="tokens per sampled continuation")
+    p.add_argument(
+        "--temperature", type=finite_float, default=1.0, help="sampling temperature of the samples"
+    )
+    p.add_argument(
+        "--top-k", type=nonnegative_int, default=None, help="sample among the k likeliest (default: all)"
+    )
+    p.add_argument("--top-p", type=finite_float, default=None, help="nucleus sampling mass (default: off)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the sampled continuations")
     p.add_argument("--tasks", nargs="+", default=None, help="lm-evaluation-harness tasks (needs lm-eval)")
-    p.add_argument("--limit", type=int, default=None, help="lm-eval: examples per task")
+    p.add_argument("--limit", type=positive_int, default=None, help="lm-eval: examples per task")
+    p.add_argument("--perplexity", action="store_true",
+                   help="with --tasks, also score perplexity on the checkpoint's recorded data (it is scored "
+                   "without --tasks, or when --data is given)")  # fmt: skip
+    p.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="default: bfloat16 on cuda, float32 on cpu")  # fmt: skip
@@ -49,22 +60,27 @@ def add_arguments(p) -> None:
 
 
 def main(args) -> int:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    import torch  # here, not at import: `kvlm eval --help` and argument errors stay fast
+
+    device = resolve_device(args.device)
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else None)
-    model, tokenizer, meta = load_checkpoint(args.checkpoint, device=device, dtype=dtype)
+    model, tokenizer, meta = load_model_folder(args.checkpoint, device=device, dtype=dtype)
     result: dict = {"checkpoint": str(args.checkpoint), "attention": model.cfg.attention}
-    data = args.data or default_data(meta, args.checkpoint)
+    # --tasks alone runs the tasks: the whole validation set's perplexity only when asked (--data / --perplexity)
+    data = args.data or (default_data(meta, args.checkpoint) if not args.tasks or args.perplexity else None)
+    samples = args.samples if args.samples is not None else (0 if args.tasks else 8)
     if data is not None:
         tokens = load_eval_tokens(data, tokenizer, args.max_tokens, args.split)
-        ppl = perplexity(model, tokens, args.seq_len, args.batch_size, args.stride)
+        ppl = perplexity(model, tokens, args.seq_len, args.batch_size, args.stride,
+                         progress=not getattr(args, "no_progress", False))  # fmt: skip
         result["perplexity"] = {"data": str(data), **ppl}
         _say(args, f"perplexity {ppl['perplexity']:.3f} (loss {ppl['loss']:.4f}) over {ppl['tokens']} tokens, "
              f"windows of {ppl['seq_len']} stride {ppl['stride']}")  # fmt: skip
-    if args.samples > 0:
+    if samples > 0:
         if tokenizer is None:
             raise EvalError("--samples needs the checkpoint's tokenizer (no tokenizer.json); use --samples 0")
         prompts, out = sample_continuations(
-            model, tokenizer, args.prompts or DEFAULT_PROMPTS, args.samples, args.sample_tokens,
+            model, tokenizer, [check_utf8(t, f"--prompts {i + 1}") for i, t in enumerate(args.prompts or DEFAULT_PROMPTS)], samples, args.sample_tokens,
             args.temperature, args.top_k, args.top_p, args.seed,
         )  # fmt: skip
         rep = repetition_metrics(out)

@@ -12,31 +12,35 @@ import sys
 import torch
 
 from kvlm.attention.base import MODES
-from kvlm.checkpoint import CheckpointError, load_checkpoint
+from kvlm.checkpoint import CheckpointError
+from kvlm.cli.common import check_utf8, finite_float, nonnegative_int, positive_int, resolve_device
 from kvlm.inference.generation import TextStream, generate
+from kvlm.interop.hf_folder import load_model_folder
 
 
 def add_arguments(p) -> None:
-    p.add_argument("checkpoint", help="checkpoint folder (with tokenizer.json)")
+    p.add_argument("checkpoint", help="checkpoint folder (with tokenizer.json), or a Hugging Face folder: a "
+                   "`kvlm export-hf` export (any --format), a Llama or dense DeepseekV3 model")  # fmt: skip
     p.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
-    p.add_argument("--max-new-tokens", type=int, default=100)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=nonnegative_int, default=100, help="tokens to generate at most")
+    p.add_argument("--temperature", type=finite_float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=nonnegative_int, default=None, help="sample among the k likeliest tokens (default: all)")
+    p.add_argument("--top-p", type=finite_float, default=None, help="nucleus sampling mass (default: off)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: unseeded)")
     p.add_argument("--mode", choices=MODES, default="auto", help="attention route for prefill and decode")
     p.add_argument("--no-stop", action="store_true", help="do not stop at the tokenizer's end-of-text token")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="default: bfloat16 on cuda, float32 on cpu")  # fmt: skip
     p.add_argument("--json", action="store_true", help="no streaming; the last stdout line is a JSON object")
-    p.add_argument("--tp", type=int, default=1,
+    p.add_argument("--tp", type=positive_int, default=1,
                    help="tensor-parallel degree N, under `torchrun --nproc-per-node N -m kvlm.cli generate ...` "
                    "(each rank holds its shard of every layer and of the KV cache; kvlm/parallel/)")  # fmt: skip
 
 
 def main(args) -> int:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    prompts_text = [check_utf8(text, f"--prompt {i + 1}") for i, text in enumerate(args.prompt)]
+    device = resolve_device(args.device)
     tp = None
     if args.tp > 1:  # join torchrun's group; rank 0 alone prints
         # imported here: only a tensor-parallel run needs torch.distributed's process groups
@@ -45,7 +49,7 @@ def main(args) -> int:
         tp = tp_setup(args.tp, device.type)
         device = tp.device
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else None)
-    model, tokenizer, _meta = load_checkpoint(args.checkpoint, device=device, dtype=dtype)
+    model, tokenizer, _meta = load_model_folder(args.checkpoint, device=device, dtype=dtype)
     if tp is not None:
         from kvlm.parallel.tensor_parallel import shard_model
 
@@ -56,7 +60,7 @@ def main(args) -> int:
         )
     eos = getattr(tokenizer, "eos_id", None)
     prompts = []
-    for text in args.prompt:
+    for text in prompts_text:
         ids = tokenizer.encode(text)
         if not ids and eos is not None:
             ids = [eos]  # an empty prompt starts from end-of-text, as GPT-2 does unconditioned sampling

@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 from kvlm.accounting import DTYPE_BYTES, _reference, format_table, kv_table, select
+from kvlm.bench.costmodel import HARDWARE, format_projection, get_hardware, projection_rows
 from kvlm.cli.common import parse_int_list
 from kvlm.config import ConfigError, ModelConfig
 from kvlm.preset_table import families, get_preset, match_ffn_dim, presets
@@ -35,6 +36,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-params", action="store_true", help="skip parameter counts (faster)")
     p.add_argument("--list", action="store_true", help="list the families and preset names, then exit")
+    p.add_argument(
+        "--hardware",
+        default=None,
+        help="also project decode time per model on these devices, comma-separated: cpu-measured (this "
+        "machine, measured now at --threads), "
+        + ", ".join(HARDWARE)
+        + " (published specs); default: no projection",
+    )
+    p.add_argument("--batch", type=int, default=1, help="sequences per decode step (default 1)")
+    p.add_argument("--context", type=int, default=4096, help="cached tokens per sequence (default 4096)")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch threads for cpu-measured (default: torch's)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
 
@@ -52,7 +66,8 @@ def main(args: argparse.Namespace) -> int:
     dtype_bytes = DTYPE_BYTES[args.dtype]
     groups: list[tuple[str, Any]] = [(spec, _available(spec, args.match_ffn)) for spec in args.preset]
     groups += [(path, {path: ModelConfig.load(path)}) for path in args.config]
-    all_rows, skipped = [], {}
+    hardware = _hardware(args)
+    all_rows, skipped, projections = [], {}, []
     for i, (title, models) in enumerate(groups):
         if isinstance(models, tuple):
             models, missing = models
@@ -64,6 +79,16 @@ def main(args: argparse.Namespace) -> int:
         print(f"# kv-table: {title}")
         if rows:
             print(format_table(rows, tps, args.dtype))
+        if rows and hardware:
+            proj = projection_rows(models, hardware, args.batch, args.context)
+            projections += proj
+            print(
+                f"\n# decode floor per step, batch {args.batch}, {args.context} cached tokens "
+                "(sum over operations of max(bytes / bandwidth, FLOPs / peak); weights and cache in "
+                + ", ".join(f"{hw.name} {hw.dtype}" for hw in hardware)
+                + ")"
+            )
+            print(format_projection(proj, hardware))
     for name, why in skipped.items():
         print(f"skipped {name}: {why}")
     if not all_rows:
@@ -79,10 +104,23 @@ def main(args: argparse.Namespace) -> int:
                     "dtype_bytes": dtype_bytes,
                     "rows": all_rows,
                     "skipped": skipped,
+                    **({"projections": projections} if hardware else {}),
                 }
             )
         )
     return 0
+
+
+def _hardware(args: argparse.Namespace) -> list:
+    """The devices of ``--hardware`` (cpu-measured is measured once, here), or [] without it."""
+    if not args.hardware:
+        return []
+    if args.batch < 1 or args.context < 0:
+        raise ConfigError(f"need --batch >= 1 and --context >= 0, got {args.batch}, {args.context}")
+    names = [n for n in args.hardware.split(",") if n.strip()]
+    if not names:
+        raise ConfigError("--hardware needs at least one device name")
+    return [get_hardware(n, args.threads) for n in names]
 
 
 def _available(spec: str, match_ffn: bool) -> tuple[dict[str, ModelConfig], dict[str, str]]:

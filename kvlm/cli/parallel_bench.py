@@ -41,7 +41,7 @@ def _bench_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--preset",
         default="eg-mla-base/eg-mla-base-emb512",
-        help="preset or attention name (default: eg-mla.md's Base model with 512-wide gate tables)",
+        help="preset or attention name (default: %(default)s, eg-mla.md's Base model with 512-wide gate tables)",
     )
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
     p.add_argument("--batch", type=int, default=4, help="sequences per rank per step (default 4)")
@@ -52,7 +52,7 @@ def _bench_options(p: argparse.ArgumentParser) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    sub = parser.add_subparsers(dest="bench", required=True, metavar="BENCH", help="which benchmark")
     p = sub.add_parser("tp-bench", help="tensor-parallel decode bench and per-rank KV (under torchrun)")
     p.add_argument(
         "--variants",

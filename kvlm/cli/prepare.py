@@ -29,12 +29,12 @@ def add_arguments(p) -> None:
     p.add_argument("--max-tokens", type=int, help="cap on training tokens (synthetic default 1,000,000)")
     p.add_argument("--val-tokens", type=int, help="cap on validation tokens")
     p.add_argument("--val-fraction", type=float, default=0.05, help="share of documents for validation")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the synthetic stories")
     p.add_argument(
         "--text-field", default="text", help="field of .jsonl / parquet / HF rows holding the text"
     )
     p.add_argument("--force", action="store_true", help="replace an existing output folder")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar or progress lines")
     p.add_argument("--json", action="store_true", help="print a JSON summary as the last line")
 
 

@@ -120,6 +120,34 @@ COMPARE_PRESETS = {
 }
 
 
+MATCH_MODES = {
+    "preset": "as the preset sizes them",
+    "params": "FFN width re-matched so total parameters (gate tables included) equal the baseline's",
+    "activated": "FFN width re-matched so activated parameters (gate tables excluded) equal the baseline's",
+}
+
+
+def match_variants(variants: list[Variant], baseline: str, match: str = "preset") -> list[Variant]:
+    """``match="params"`` / ``"activated"``: every variant but ``baseline`` gets the FFN width (a multiple of 8)
+    whose total / activated parameter count is closest to the baseline's (``match_ffn_dim``); the width is
+    the one knob every mechanism has, and the one mlra.md Sec. 4.1 turns. ``"preset"``: unchanged."""
+    if match not in MATCH_MODES:
+        raise ConfigError(f"unknown --match {match!r}; known: {', '.join(MATCH_MODES)}")
+    if match == "preset":
+        return variants
+    base = next(v for v in variants if v.label == baseline)
+    key = "total" if match == "params" else "activated"
+    out = []
+    for v in variants:
+        if v is base:
+            out.append(v)
+            continue
+        cfg = match_ffn_dim(v.cfg, base.cfg, key=key)
+        note = f"ffn_dim {v.cfg.ffn_dim} -> {cfg.ffn_dim} to match {base.label}'s {key} parameters"
+        out.append(Variant(v.label, cfg, f"{v.note}; {note}" if v.note else note))
+    return out
+
+
 def load_variants(
     preset: str | None, variants_file: str | None, paper_sizes: bool = False
 ) -> tuple[list[Variant], str]:

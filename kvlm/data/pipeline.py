@@ -3,7 +3,7 @@
 A source without its own validation split gives every N-th document (N = 1 / val_fraction) to validation;
 ``val=`` names validation sources instead (each one's own validation part if it has one, else all of it). A single
 document too few to share is split by tokens: validation is the tail of training. The folder is written under a
-temporary name and renamed at the end. Progress is a tqdm bar (``progress=True``) and kvlm.logs records.
+temporary name and renamed at the end. Progress (``progress=True``) is kvlm.progress: a bar on a terminal, else log lines.
 """
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from kvlm.data.format import DEFAULT_SHARD_TOKENS, FORMAT, VERSION, DataError, content_hash, token_dtype
 from kvlm.data.prepared import PreparedData, load_prepared
 from kvlm.data.shards import ShardWriter
 from kvlm.data.sources import Source, resolve_source
-from kvlm.data.tokenizer import Tokenizer, describe, tokenizer_from_spec
+from kvlm.data.tokenizer import PIECE_CHARS, Tokenizer, describe, tokenizer_from_spec
 from kvlm.files import replace_folder
 from kvlm.logs import get_logger
+from kvlm.progress import Progress
 
 logger = get_logger(__name__)
 SYNTHETIC_DEFAULT_TOKENS = 1_000_000
@@ -64,7 +64,7 @@ def prepare(
     if not 0.0 <= val_fraction < 1.0:
         raise DataError(f"val_fraction must be in [0, 1), got {val_fraction}")
     sources = [resolve_source(s, text_field, seed) for s in specs]
-    val_sources = [resolve_source(s, text_field, seed) for s in val_specs]
+    val_sources = [resolve_source(s, text_field, seed, role="val") for s in val_specs]
     if max_tokens is None and not all(s.finite for s in sources):
         max_tokens = SYNTHETIC_DEFAULT_TOKENS
     if val_tokens is None:
@@ -187,6 +187,8 @@ def _prepare_into(
                 if chars >= sample_cap:
                     break
         texts = [t for split, _, t in head if split == "train"]
+        if texts and chars > sample_cap and len(texts[-1]) > PIECE_CHARS:  # not all of one huge document
+            texts[-1] = texts[-1][: max(1, len(texts[-1]) - (chars - sample_cap))]
         if not texts:
             raise DataError(f"no training text in {', '.join(s.spec for s in sources)} (empty data)")
         logger.info(f"training a byte-level BPE (vocab {vocab_size}) on {chars:,} characters")
@@ -202,7 +204,8 @@ def _prepare_into(
         "val": ShardWriter(folder, "val", dtype, val_tokens, shard_tokens),
     }
     total = None if max_tokens is None else max_tokens + (val_tokens or 0)
-    bar = tqdm(total=total, unit="tok", unit_scale=True, desc="prepare", disable=not progress, leave=False)
+    # kvlm.progress: a bar on a terminal, else periodic log lines (rate; ETA when the caps give a total)
+    bar = Progress(total, "prepare", "tok", unit_scale=True, enabled=progress)
     eos = np.array([tok.eos_id], dtype=np.int64)
 
     def batch_chars() -> int:
@@ -211,6 +214,22 @@ def _prepare_into(
         need = sum(w.cap - w.tokens for w in writers.values() if w.cap is not None and not w.full)
         open_ended = any(w.cap is None for w in writers.values())
         return 4_000_000 if open_ended else max(20_000, min(4_000_000, 6 * need))
+
+    def add_long(item: tuple[str, int, str]) -> None:
+        """A document longer than a tokenizer piece, into a capped split: encoded piece by piece, stopping
+        once the cap is reached (an 8.9 MB line no longer encodes whole for --max-tokens 1000)."""
+        split, i, text = item
+        writer = writers[split]
+        need = writer.cap - writer.tokens
+        ids: list[int] = []
+        for piece_ids in tok.encode_pieces(text):
+            ids.extend(piece_ids)
+            if len(ids) >= need:
+                break
+        n = writer.add(np.concatenate([np.asarray(ids, dtype=np.int64), eos]))
+        if n:
+            counts[i][split] += 1
+            bar.update(n)
 
     def consume(items: Iterable[tuple[str, int, str]], done: Callable[[], bool]) -> None:
         batch: list[tuple[str, int, str]] = []
@@ -226,6 +245,12 @@ def _prepare_into(
 
         for item in items:
             if writers[item[0]].full:
+                if done():
+                    break
+                continue
+            if writers[item[0]].cap is not None and len(item[2]) > PIECE_CHARS:
+                flush()  # keep the documents' order
+                add_long(item)
                 if done():
                     break
                 continue

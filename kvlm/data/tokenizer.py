@@ -10,18 +10,32 @@ therefore cannot inject a document boundary: the only end-of-text ids in prepare
 ``kvlm prepare`` appends after each document. This is GPT-2 training practice (tiktoken's ``encode`` disallows
 special tokens in raw text); Hugging Face tokenizers, which match special tokens by default, differ here, and
 ``encode(text, allow_special=True)`` gives their behaviour where a caller writes the marker on purpose.
+
+Long text. The tokenizers library is superlinear on one huge string (offsets over the whole string: a 2 MB line
+took seconds to pre-tokenize, 1.7 GB to encode at 8.9 MB), and BPE training is quadratic in the length of one
+pre-token (a 4 MB word without whitespace ran past 10 minutes). So a BPE trained here splits runs of more than
+``MAX_PRETOKEN_CHARS`` non-space (or space) characters into pieces of that length (no ordinary word is that
+long, so ordinary text tokenizes as before), and text longer than ``PIECE_CHARS`` is handed to the library in
+pieces cut where a pre-token starts (before a whitespace character that precedes text), which gives the same
+ids as the whole; ``encode_pieces`` yields them so that a caller can stop early (``kvlm prepare --max-tokens``).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from tokenizers import AddedToken, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
 EOS_TOKEN = "<|endoftext|>"
+MAX_PRETOKEN_CHARS = (
+    128  # longest pre-token of a BPE trained here (a URL, a base64 blob is cut; a word is not)
+)
+PIECE_CHARS = 1 << 16  # text longer than this goes to the tokenizers library in pieces
+_PIECE_CUT = re.compile(r"\s(?=\S)")  # a whitespace character followed by text: where a pre-token starts
 
 
 class TokenizerError(ValueError):
@@ -57,13 +71,31 @@ class Tokenizer:
 
     def encode(self, text: str, allow_special: bool = False) -> list[int]:
         """Token ids of ``text``; a literal special token is ordinary text unless ``allow_special``."""
-        return self._encoder(allow_special).encode(text, add_special_tokens=False).ids
+        if len(text) <= PIECE_CHARS:
+            return self._encoder(allow_special).encode(text, add_special_tokens=False).ids
+        return [i for ids in self.encode_pieces(text, allow_special) for i in ids]
+
+    def encode_pieces(self, text: str, allow_special: bool = False) -> Iterator[list[int]]:
+        """The ids of ``text`` piece by piece (``text_pieces``); joined, they are ``encode(text)``."""
+        enc = self._encoder(allow_special)
+        for piece in text_pieces(text):
+            yield enc.encode(piece, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str], allow_special: bool = False) -> list[list[int]]:
         enc = self._encoder(allow_special)
         # encode_batch_fast (tokenizers >= 0.21) skips the character offsets we do not use
         encode = getattr(enc, "encode_batch_fast", enc.encode_batch)
-        return [e.ids for e in encode(texts, add_special_tokens=False)]
+        if all(len(t) <= PIECE_CHARS for t in texts):
+            return [e.ids for e in encode(texts, add_special_tokens=False)]
+        pieces, owner = [], []
+        for n, text in enumerate(texts):
+            for piece in text_pieces(text):
+                pieces.append(piece)
+                owner.append(n)
+        out: list[list[int]] = [[] for _ in texts]
+        for n, e in zip(owner, encode(pieces, add_special_tokens=False)):
+            out[n].extend(e.ids)
+        return out
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=False)
@@ -87,10 +119,48 @@ class Tokenizer:
         return f"Tokenizer(kind={self.kind!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
 
 
-def _byte_level(model):
+def text_pieces(text: str, size: int = PIECE_CHARS) -> Iterator[str]:
+    """``text`` in pieces of at most ``size`` characters, each cut (where one is near) before a whitespace
+    character that precedes text: GPT-2's pre-tokenizer starts a pre-token there, so the pieces' pre-tokens are
+    the whole text's. A run of ``size`` characters without such a place (one huge word) is cut at a multiple of
+    ``MAX_PRETOKEN_CHARS`` from the run's start, where a BPE trained here splits it anyway."""
+    pos, n = 0, len(text)
+    run_start = (
+        0  # start of the run (of spaces or of non-spaces) that holds text[pos], once a cut fell inside one
+    )
+    while n - pos > size:
+        end = pos + size
+        cut = None
+        for m in _PIECE_CUT.finditer(text, pos + size // 2, end):
+            cut = m.start()
+        if cut is None:
+            # the run holding text[end - 1]: scanned back to its start, or it began at or before pos
+            space = text[end - 1].isspace()
+            r = end - 1
+            while r > pos and text[r - 1].isspace() == space:
+                r -= 1
+            if r == pos:
+                r = min(run_start, pos) if text[pos].isspace() == space else pos
+            cut = r + (end - r) // MAX_PRETOKEN_CHARS * MAX_PRETOKEN_CHARS
+            if cut <= pos:
+                cut = end
+            run_start = r
+        yield text[pos:cut]
+        pos = cut
+    if pos < n or n == 0:
+        yield text[pos:]
+
+
+def _byte_level(model, bounded: bool = False):
     tok = HFTokenizer(model)
     # add_prefix_space=False keeps the text unchanged, so decoding gives back exactly the input
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if bounded:  # runs longer than MAX_PRETOKEN_CHARS become several pre-tokens (see the module docstring)
+        run = MAX_PRETOKEN_CHARS
+        split = pre_tokenizers.Split(Regex(rf"\S{{{run}}}|\s{{{run}}}"), behavior="isolated")
+        tok.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
+    else:
+        tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
     return tok
 
@@ -102,14 +172,14 @@ def train_bpe(texts: Iterable[str], vocab_size: int = 4096, eos_token: str = EOS
         raise TokenizerError(
             f"vocab_size={vocab_size} is too small: byte-level BPE needs 256 bytes + end-of-text"
         )
-    tok = _byte_level(models.BPE())
+    tok = _byte_level(models.BPE(), bounded=True)
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=[eos_token],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(texts, trainer=trainer)
+    tok.train_from_iterator((piece for text in texts for piece in text_pieces(text)), trainer=trainer)
     return Tokenizer(tok, eos_token, kind="bpe")
 
 

@@ -18,7 +18,6 @@ lm-evaluation-harness tasks run through the adapter in ``kvlm.interop.lm_eval`` 
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,7 +27,9 @@ import torch
 import torch.nn.functional as F
 
 from kvlm.data.prepared import load_prepared
+from kvlm.data.sources import check_text, read_jsonl, read_text_file
 from kvlm.inference.generation import generate
+from kvlm.progress import Progress
 
 DEFAULT_PROMPTS = (
     "Once upon a time",
@@ -49,14 +50,20 @@ def perplexity(
     seq_len: int | None = None,
     batch_size: int = 4,
     stride: int | None = None,
+    *,
+    progress: bool = False,
 ) -> dict:
     """Mean next-token cross-entropy over ``token_ids`` (1-D numpy array, memmap, tensor or list).
 
     Returns {"loss" (nats/token), "perplexity" (exp(loss)), "tokens" (targets scored = len - 1),
     "stderr" (of the loss, windows as units; None for one window), "seq_len", "stride", "windows"}.
-    See the module docstring for the windows."""
-    seq_len = seq_len or model.cfg.max_seq_len
-    stride = stride or seq_len
+    See the module docstring for the windows. progress: kvlm.progress over the windows (a bar on a terminal,
+    else log lines)."""
+    # None means the default; 0 is refused below (it used to mean the default too, silently)
+    seq_len = model.cfg.max_seq_len if seq_len is None else seq_len
+    stride = seq_len if stride is None else stride
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise EvalError(f"batch_size must be a positive integer, got {batch_size!r}")
     if not 0 < seq_len <= model.cfg.max_seq_len:
         raise EvalError(f"seq_len={seq_len} must be in [1, max_seq_len={model.cfg.max_seq_len}]")
     if not 0 < stride <= seq_len:
@@ -70,8 +77,13 @@ def perplexity(
     N = ids.numel()
     if N < 2:
         raise EvalError(f"perplexity needs at least 2 tokens, got {N}")
-    if int(ids.max()) >= model.cfg.vocab_size or int(ids.min()) < 0:
-        raise EvalError(f"token ids outside the model's vocabulary [0, {model.cfg.vocab_size})")
+    lo, hi = int(ids.min()), int(ids.max())
+    if hi >= model.cfg.vocab_size or lo < 0:
+        bad = hi if hi >= model.cfg.vocab_size else lo
+        raise EvalError(
+            f"token id {bad} is outside the model's vocabulary [0, {model.cfg.vocab_size}) "
+            "(data tokenized with another tokenizer?)"
+        )
 
     # window = (begin, end, scored_from): inputs ids[begin:end], targets ids[begin+1:end+1], of which
     # those at target index >= scored_from are new
@@ -85,8 +97,9 @@ def perplexity(
     sums, counts = [], []  # per window: summed loss and scored tokens
     was_training = model.training
     model.eval()
+    bar = Progress(len(windows), "perplexity", "window", enabled=progress)
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), bar:
             for i in range(0, len(windows), batch_size):
                 chunk = windows[i : i + batch_size]
                 L = max(e - b for b, e, _ in chunk)
@@ -103,6 +116,7 @@ def perplexity(
                     loss_j = F.cross_entropy(logits[j].to(wide), y[j], ignore_index=-100, reduction="sum")
                     sums.append(loss_j.item())
                     counts.append(e - s)
+                bar.update(len(chunk))
     finally:
         model.train(was_training)
     count = sum(counts)
@@ -197,21 +211,20 @@ def load_eval_tokens(path: str | Path, tokenizer=None, max_tokens: int | None = 
         return _prepared_tokens(path, split, max_tokens, tokenizer)
     if tokenizer is None:
         raise EvalError(f"{path} is raw text but the checkpoint has no tokenizer to encode it")
+    if max_tokens is not None and max_tokens < 1:
+        raise EvalError(f"max_tokens must be a positive integer, got {max_tokens}")
     if path.suffix == ".jsonl":
         ids: list[int] = []
-        with open(path, encoding="utf-8") as f:
-            for line_no, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    text = json.loads(line)["text"]
-                except (json.JSONDecodeError, KeyError, TypeError) as e:
-                    raise EvalError(f"{path}:{line_no}: expected a JSON object with a 'text' field") from e
-                ids += tokenizer.encode(text) + [tokenizer.eos_id]
-                if max_tokens and len(ids) >= max_tokens:
-                    break
+        for line_no, row in read_jsonl(path):  # DataError naming the file and line: not UTF-8, not JSON
+            if not isinstance(row, dict) or "text" not in row:
+                raise EvalError(f"{path}:{line_no}: expected a JSON object with a 'text' field")
+            ids += tokenizer.encode(check_text(row["text"], f"{path}:{line_no}: field 'text'")) + [
+                tokenizer.eos_id
+            ]
+            if max_tokens and len(ids) >= max_tokens:
+                break
     else:
-        ids = tokenizer.encode(path.read_text(encoding="utf-8"))
+        ids = tokenizer.encode(read_text_file(path))  # DataError naming the file when it is not UTF-8 text
     if max_tokens:
         ids = ids[:max_tokens]
     return np.asarray(ids, dtype=np.int64)

@@ -43,6 +43,7 @@ def generate(
     callback: Callable[[list[int | None]], None] | None = None,
     mode: str = "auto",
     return_stats: bool = False,
+    pack_weights: bool | None = None,
 ):
     """Generate up to ``max_new_tokens`` tokens after each prompt.
 
@@ -55,6 +56,10 @@ def generate(
     sequence that has already stopped (or stops at this step on a stop token).
     mode is passed to the model ("naive" builds the materialised per-head K/V cache). The cache has the
     model's dtype and device.
+    pack_weights: decode with the weights in MKL's packed GEMM layout for this batch (``KVLM.pack_for_decode``;
+    CPU float32 only; a second copy of the weights while it runs). None: when batch 4-16 and at least
+    ``PACK_MIN_STEPS`` decode steps on CPU float32 (below 4 rows an unpacked product streams as fast).
+    Weights the caller packed for this batch beforehand are used and kept.
     """
     single, prompts = _as_prompts(prompt_ids)
     vocab = model.cfg.vocab_size
@@ -106,6 +111,7 @@ def generate(
     # derived decode weights (absorbed MLA weights, EG-MLA gate tables) built once for this call, not per step;
     # train(True) below drops them again
     model.eval().prepare_for_inference()
+    packed_here = _pack(model, B, max_new_tokens, pack_weights)
     try:
         with torch.inference_mode():
             t0 = _now(device)
@@ -127,6 +133,8 @@ def generate(
                 nxt = sample(logits, temperature, top_k, top_p, gen)
             stats["decode_s"] = _now(device) - t0
     finally:
+        if packed_here:
+            model.pack_for_decode(None)
         model.train(was_training)
     logger.debug("generate: batch %d, %d prompt tokens, %d decode tokens", B, stats["prefill_tokens"],
                  stats["decode_tokens"])  # fmt: skip
@@ -134,6 +142,34 @@ def generate(
 
 
 # --- helpers --------------------------------------------------------------------------------------------
+PACK_MIN_STEPS = 16  # packing the reference shape's 260 MB of weights takes ~0.35 s: a few steps' savings
+
+
+def packs_for(model, batch: int) -> bool:
+    """Whether decode at ``batch`` sequences gains from packed weights: a kvlm model on CPU in float32, batch
+    4-16 (below 4 rows F.linear streams the weights as fast, benchmarks/decode_limit.py "GEMMs alone")."""
+    p = model.embed.weight
+    return (
+        hasattr(model, "pack_for_decode")
+        and p.device.type == "cpu"
+        and p.dtype == torch.float32
+        and (4 <= batch <= 16)
+    )
+
+
+def _pack(model, batch: int, max_new_tokens: int, pack_weights: bool | None) -> bool:
+    """Pack the weights for decode steps of ``batch`` rows; True when this call packed them (and drops them)."""
+    if not hasattr(model, "pack_for_decode"):
+        return False
+    if pack_weights is None:
+        pack_weights = packs_for(model, batch) and max_new_tokens >= PACK_MIN_STEPS
+    if not pack_weights:
+        return False
+    head = model.lm_head
+    already = head._packed is not None and head._packed[0][2] == batch
+    return model.pack_for_decode(batch) > 0 and not already
+
+
 def _as_prompts(prompt_ids) -> tuple[bool, list[list[int]]]:
     if isinstance(prompt_ids, torch.Tensor):
         if prompt_ids.dim() == 1:
@@ -201,4 +237,4 @@ class TextStream:
         return text[len(prefix) :]
 
 
-__all__ = ["TextStream", "generate"]
+__all__ = ["TextStream", "generate", "packs_for"]

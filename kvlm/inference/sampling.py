@@ -12,6 +12,8 @@ Order: temperature, then top-k, then top-p (nucleus) on what top-k kept, then a 
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Iterable
 
 import torch
@@ -51,12 +53,17 @@ def filter_logits(logits: torch.Tensor, top_k: int | None = None, top_p: float |
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
-    """Raise ValueError naming the first sampling setting out of range."""
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0 (0 = greedy), got {temperature}")
-    if top_k is not None and top_k < 0:
+    """Raise ValueError naming the first sampling setting out of range (nan and inf included: a nan temperature
+    would pass `< 0` and turn every probability into nan)."""
+    if not isinstance(temperature, numbers.Real) or isinstance(temperature, bool):
+        raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {temperature!r}")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
+    if top_k is not None and (
+        not isinstance(top_k, numbers.Integral) or isinstance(top_k, bool) or top_k < 0
+    ):
         raise ValueError(f"top_k must be >= 1 (or 0/None to disable), got {top_k}")
-    if top_p is not None and not 0 < top_p <= 1:
+    if top_p is not None and (not isinstance(top_p, numbers.Real) or not 0 < top_p <= 1):
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
 
 

@@ -15,6 +15,15 @@ imports neither):
   flat files, their kvlm imports made relative by the parser; two small entry files).
 - ``lm_eval.py``: lm-eval's model "kvlm" (``HFLM`` around ``KVLMForCausalLM``) and ``run_lm_eval``
   (``kvlm eval --tasks``).
+- ``deepseek_v3.py`` / ``llama.py``: kvlm MLA <-> transformers' own ``DeepseekV3ForCausalLM`` (both ways) and
+  kvlm MHA/GQA/MQA -> ``LlamaForCausalLM``: ``kvlm export-hf --format deepseek-v3 | llama``, folders that stock
+  transformers, vLLM and SGLang load without kvlm; what a format cannot hold is refused by name (FormatError).
+- ``mlra_import.py``: checkpoints of the MLRA authors' code (their model/mla.py, mlra_2.py, mlra_4.py) -> kvlm
+  (``kvlm import-hf --mlra-code``), their MLRA-2 block pairing renumbered to the paper's.
+- ``hf_folder.py``: ``load_model_folder``, a kvlm checkpoint or a Hugging Face folder (any export, Llama, dense
+  DeepseekV3) as a kvlm model (``kvlm generate`` / ``kvlm eval`` take either).
+- ``tokenizer_meta.py``: special-token roles and chat template kept in a checkpoint's meta.json on import, given
+  back on export.
 - ``convert.py``: ``import_llama`` (a Llama-architecture HF model -> kvlm mha/gqa/mqa, same logits) and
   ``gqa_to_mla`` (TransMLA / MHA2MLA-style conversion to MLA, exact at full rank) (``kvlm import-hf``).
 """

@@ -18,6 +18,12 @@ subclasses ``PreTrainedConfig``, ``PretrainedConfig`` on 4.x).
 
 from __future__ import annotations
 
+import importlib
+import json
+import shutil
+import sys
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from transformers import GenerationMixin, PreTrainedModel
@@ -93,6 +99,13 @@ def left_padding(attention_mask: torch.Tensor | None, allow_right: bool) -> torc
     )
 
 
+# the auto_map of a folder with kvlm's remote code (entry files written by kvlm.interop.remote_code)
+REMOTE_AUTO_MAP = {
+    "AutoConfig": "configuration_kvlm.KVLMConfig",
+    "AutoModelForCausalLM": "modeling_kvlm.KVLMForCausalLM",
+}
+
+
 class KVLMForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = KVLMConfig
     base_model_prefix = "model"
@@ -138,6 +151,41 @@ class KVLMForCausalLM(PreTrainedModel, GenerationMixin):
     @property
     def kvlm_model(self) -> KVLM:
         return self.model
+
+    def save_pretrained(self, save_directory, *args, remote_code: bool = True, **kwargs):
+        """transformers' ``save_pretrained``, plus (``remote_code=True``) the code that lets
+        ``from_pretrained(save_directory, trust_remote_code=True)`` load the folder where kvlm is not installed:
+        ``auto_map`` in config.json and the files of kvlm.interop.remote_code. A model loaded from such a folder
+        (its class in ``transformers_modules``) saves the files it was loaded from."""
+        native = type(self).__module__ == "kvlm.interop.hf_modeling"
+        if not native:  # loaded from a folder's remote code: save that whole set of files again
+            super().save_pretrained(save_directory, *args, **kwargs)
+            if kwargs.get("is_main_process", True):
+                self._copy_remote_code(save_directory)
+            return
+        if remote_code:
+            # imported by name, not by an import statement: this file is itself bundled as remote code, and the
+            # bundler (which follows import statements) must not copy the exporter into the folder
+            remote = importlib.import_module("kvlm.interop.remote_code")
+            self.config.auto_map = dict(remote.AUTO_MAP)
+        elif getattr(self.config, "auto_map", None) is not None:
+            del self.config.auto_map  # a folder without the code must not point at it
+        super().save_pretrained(save_directory, *args, **kwargs)
+        if remote_code and kwargs.get("is_main_process", True):
+            remote.write_remote_code(save_directory, self.config.model_config().attention)
+
+    def _copy_remote_code(self, save_directory) -> None:
+        """transformers' own save copies only this class's file and what it imports, and points auto_map at
+        them; the entry files (the configuration registers the attention mechanism) and the mechanism's
+        modules would be lost. Copy every file of the loaded code and point auto_map at the entry files."""
+        source = Path(sys.modules[type(self).__module__].__file__).parent
+        for f in source.glob("*.py"):
+            if f.name != "__init__.py":
+                shutil.copyfile(f, Path(save_directory) / f.name)
+        path = Path(save_directory) / "config.json"
+        config = json.loads(path.read_text())
+        config["auto_map"] = dict(REMOTE_AUTO_MAP)
+        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
     # --- generation -----------------------------------------------------------------------------
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):

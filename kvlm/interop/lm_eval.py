@@ -16,8 +16,8 @@ Three ways to run the CLI on kvlm checkpoints:
     kvlm export-hf CKPT OUT; lm_eval --model hf --model_args pretrained=OUT,trust_remote_code=True ...
         (plain lm_eval, no kvlm import needed: the exported folder carries its code)
 
-Local tasks: examples/lm_eval_tasks/ (e.g. winogrande_local, WinoGrande read from ../shared) are found with
-``--include_path examples/lm_eval_tasks`` (added by default by ``run_lm_eval`` and ``python -m``).
+Local tasks: kvlm/interop/lm_eval_tasks/ (e.g. winogrande_local: a WinoGrande-format JSONL you name) are found
+with ``--include_path`` on that folder (added by default by ``run_lm_eval`` and ``python -m``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from lm_eval.models.huggingface import HFLM
 
 from kvlm.interop.hf import hf_tokenizer, to_hf
 
-EXAMPLE_TASKS = Path(__file__).resolve().parents[2] / "examples" / "lm_eval_tasks"
+EXAMPLE_TASKS = Path(__file__).resolve().parent / "lm_eval_tasks"  # shipped in the wheel (package data)
 
 
 @register_model("kvlm")
@@ -92,7 +92,7 @@ def run_lm_eval(
     """Run lm-eval ``tasks`` on a checkpoint folder or a kvlm model.
 
     Call as ``run_lm_eval(checkpoint, tasks)`` or ``run_lm_eval(model, tokenizer, tasks)``. ``include_path``:
-    extra task folders (kvlm's examples/lm_eval_tasks is always added when present). Returns
+    extra task folders (kvlm/interop/lm_eval_tasks is always added when present). Returns
     ``{task: {metric: value}}`` (numbers only, JSON-ready), e.g. ``{"winogrande_local": {"acc": 0.5,
     "acc_stderr": 0.08}}``; the number of scored examples per task is under "samples"."""
     from lm_eval import simple_evaluate

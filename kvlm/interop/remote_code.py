@@ -19,6 +19,13 @@ imports (also inside functions and ``TYPE_CHECKING`` blocks: transformers copies
 relative import). Import forms that a flat folder cannot express (``import kvlm.x``, ``from kvlm import x``,
 importing a module object with ``from kvlm.a import b``) raise ``RemoteCodeError`` at export time rather than
 fail where the folder is loaded.
+
+One package is not copied but replaced: ``kvlm.kernels`` (fused decode kernels: a C++ source compiled on first
+use, a Triton module) cannot live in a flat folder of .py files, and the plain PyTorch path it falls back to is
+the reference it is tested against. Its imports (``from kvlm import kernels``, ``from kvlm.kernels import
+ready``) become imports of ``kvlm_kernels_fallback.py`` (``FALLBACKS``), whose ``ready`` is always False, so an
+exported folder decodes on the plain path. A bundled module that uses a kernels name the fallback does not
+define is refused at export time.
 """
 
 from __future__ import annotations
@@ -39,7 +46,107 @@ MODELING_FILE = "modeling_kvlm"
 AUTO_MAP = {
     "AutoConfig": f"{CONFIG_FILE}.KVLMConfig",
     "AutoModelForCausalLM": f"{MODELING_FILE}.KVLMForCausalLM",
-}
+}  # also kvlm.interop.hf_modeling.REMOTE_AUTO_MAP (a re-saved remote model restores it; test_hf_conventions)
+
+
+# what a folder carries instead of a kvlm package that cannot be copied as flat .py files: {package: (flat
+# file, source)}; the source defines the package's names the bundled modules use, and the package itself (for
+# ``from kvlm import kernels``) as a namespace of them
+_KERNELS_FALLBACK = '''"""Stand-in for kvlm.kernels in an exported folder (kvlm.interop.remote_code): the fused decode kernels are
+not bundled, ``ready`` is always False, so attention takes its plain PyTorch path (the kernels' reference)."""
+
+from collections import Counter
+from types import SimpleNamespace
+
+CALLS = Counter()
+FLOPS = Counter()
+MAX_NEW = 0
+
+
+class KernelUnavailable(RuntimeError):
+    pass
+
+
+def ready(*args, **kwargs):
+    return False
+
+
+def latent_decode(*args, strict=False, **kwargs):
+    if strict:
+        raise KernelUnavailable("kvlm's kernels are not bundled in an exported folder")
+    return None
+
+
+def gqa_decode(*args, strict=False, **kwargs):
+    if strict:
+        raise KernelUnavailable("kvlm's kernels are not bundled in an exported folder")
+    return None
+
+
+kernels = SimpleNamespace(
+    CALLS=CALLS, FLOPS=FLOPS, MAX_NEW=MAX_NEW, KernelUnavailable=KernelUnavailable, ready=ready,
+    latent_decode=latent_decode, gqa_decode=gqa_decode,
+)
+'''
+FALLBACKS = {"kvlm.kernels": ("kvlm_kernels_fallback", _KERNELS_FALLBACK)}
+
+
+def _fallback_names(package: str) -> set[str]:
+    return {
+        n.targets[0].id if isinstance(n, ast.Assign) else n.name
+        for n in ast.parse(FALLBACKS[package][1]).body
+        if isinstance(n, (ast.FunctionDef, ast.ClassDef))
+        or (isinstance(n, ast.Assign) and isinstance(n.targets[0], ast.Name))
+    }
+
+
+def _fallback_of(target: str | None) -> str | None:
+    """The package of FALLBACKS that ``target`` (an imported module) lies in, or None."""
+    for package in FALLBACKS:
+        if target is not None and (target == package or target.startswith(package + ".")):
+            return package
+    return None
+
+
+def _fallback_import(module: str, tree: ast.Module, node: ast.stmt, target: str | None) -> str | None:
+    """The import of the fallback file that replaces ``node``, or None if ``node`` imports no replaced package.
+    Raises RemoteCodeError if the module uses a name of the package that the fallback lacks."""
+    if not isinstance(node, ast.ImportFrom):
+        return None
+    where = f"{module} line {node.lineno}"
+    names = [(a.name, a.asname or a.name) for a in node.names]
+    if target == PACKAGE:  # from kvlm import kernels
+        packages = {name: _fallback_of(f"{PACKAGE}.{name}") for name, _ in names}
+        if not any(packages.values()):
+            return None
+        if not all(packages.values()):
+            raise RemoteCodeError(f"{where}: import replaced packages on a line of their own")
+        package = next(iter(packages.values()))
+        defined = _fallback_names(package)
+        for _, local in names:
+            # the attributes read from the module object must all exist in the stand-in
+            used = {
+                n.attr
+                for n in ast.walk(tree)
+                if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == local
+            }
+            if used - defined:
+                raise RemoteCodeError(
+                    f"{where}: uses {sorted(used - defined)} of {package}, which the folder's stand-in "
+                    f"({FALLBACKS[package][0]}.py) does not define; add them to kvlm.interop.remote_code.FALLBACKS"
+                )
+    else:
+        package = _fallback_of(target)
+        if package is None:
+            return None
+        missing = {name for name, _ in names} - _fallback_names(package)
+        if missing:
+            raise RemoteCodeError(
+                f"{where}: imports {sorted(missing)} of {package}, which the folder's stand-in "
+                f"({FALLBACKS[package][0]}.py) does not define; add them to kvlm.interop.remote_code.FALLBACKS"
+            )
+    text = ", ".join(a.name if a.asname is None else f"{a.name} as {a.asname}" for a in node.names)
+    return f"from .{FALLBACKS[package][0]} import {text}"
 
 
 class RemoteCodeError(ValueError):
@@ -122,7 +229,7 @@ def _relative_import(module: str, node: ast.stmt, target: str | None) -> str:
 
 def rewrite_imports(module: str, source: str) -> tuple[str, list[str]]:
     """``source`` of ``module`` with each import of a kvlm module replaced by the relative import of its flat
-    sibling; returns the new source and the kvlm modules it imports."""
+    sibling; returns the new source and the kvlm modules it imports (or the FALLBACKS files it uses)."""
     tree = ast.parse(source)
     lines = source.splitlines(keepends=True)
     starts = [0]
@@ -141,9 +248,13 @@ def rewrite_imports(module: str, source: str) -> tuple[str, list[str]]:
             raise RemoteCodeError(
                 f"{module} line {node.lineno}: an import must start its own line to be bundled"
             )
-        edits.append(
-            (begin, offset(node.end_lineno, node.end_col_offset), _relative_import(module, node, target))
-        )
+        replaced = _fallback_import(module, tree, node, target)
+        end = offset(node.end_lineno, node.end_col_offset)
+        if replaced is not None:
+            edits.append((begin, end, replaced))
+            deps.append(FALLBACKS[_fallback_of(target) or _fallback_of(f"{PACKAGE}.{node.names[0].name}")][0])
+            continue
+        edits.append((begin, end, _relative_import(module, node, target)))
         deps.append(target)
     for begin, end, text in sorted(edits, reverse=True):
         source = source[:begin] + text + source[end:]
@@ -159,6 +270,10 @@ def bundle(roots: tuple[str, ...] | list[str]) -> dict[str, str]:
         if module in seen:
             continue
         seen.add(module)
+        fallback = {name: text for name, text in FALLBACKS.values()}
+        if module in fallback:  # a stand-in file, written as is
+            files[f"{module}.py"] = fallback[module]
+            continue
         source, deps = rewrite_imports(module, module_source(module))
         files[f"{flat_name(module)}.py"] = source
         todo.extend(d for d in deps if d not in seen)
@@ -201,4 +316,12 @@ def write_remote_code(folder: str | Path, attention: str) -> list[str]:
     return sorted(files)
 
 
-__all__ = ["AUTO_MAP", "RemoteCodeError", "bundle", "entry_files", "rewrite_imports", "write_remote_code"]
+__all__ = [
+    "AUTO_MAP",
+    "FALLBACKS",
+    "RemoteCodeError",
+    "bundle",
+    "entry_files",
+    "rewrite_imports",
+    "write_remote_code",
+]

@@ -12,9 +12,12 @@
 - Data order (data_order.py) is a pure function of (seed, step); checkpoints (state.py) hold weights, AdamW
   state, every rank's RNG states and the counters, so a resumed run reproduces the uninterrupted run's losses
   exactly on CPU.
+- Fine-tuning (start.py): ``TrainConfig.init`` starts from a kvlm checkpoint or a Hugging Face folder with a
+  fresh optimizer at step 0; ``train_only`` / ``freeze`` (globs on parameter names) train only some parameters;
+  config.yaml's ``init`` section records where the weights came from.
 - Run folder: config.yaml, metrics.jsonl (metrics.py: one record per logged step with loss, val_loss, lr,
   tokens/s, per-rank memory and step time), checkpoint/ (kvlm.checkpoint format + trainer_state.pt),
-  result.json, tensorboard/ (optional). Log lines go through kvlm.logs (rank 0).
+  result.json, loss.png (plot.py: log-log loss curve), tensorboard/ (optional). Log lines go through kvlm.logs (rank 0).
 """
 
 from kvlm.training.config import TrainConfig

@@ -11,7 +11,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from kvlm.config import ConfigError
+from kvlm.config import ConfigError, check_mapping, coerce_fields
 
 # fields that fix which tokens each step sees: a resumed run must keep them
 DATA_ORDER_FIELDS = ("batch_size", "seq_len", "seed")
@@ -19,6 +19,11 @@ DATA_ORDER_FIELDS = ("batch_size", "seq_len", "seed")
 
 @dataclass
 class TrainConfig:
+    """How a model is trained: the budget (the first of max_steps / max_tokens / max_minutes reached ends the
+    run), batch and window, AdamW and its schedule, evaluation, logging and checkpoint intervals, device and
+    precision, parallelism, and fine-tuning (init, train_only, freeze). Every field can be set from YAML or the
+    command line (``kvlm train --set FIELD=VALUE``); a bad value is one ConfigError naming the field."""
+
     batch_size: int = 32  # sequences per optimizer step, over all ranks and accumulation steps
     grad_accum: int = 1  # micro-steps per optimizer step (each rank): micro batch = batch / (accum * ranks)
     seq_len: int = 256
@@ -44,8 +49,17 @@ class TrainConfig:
     compile: bool = False  # torch.compile the model
     embedding_parallel: bool = False  # EG-MLA: shard the gate tables by columns over the DDP ranks (Eq. 9)
     fsdp: bool = False  # FSDP2 (fully_shard) instead of DDP across ranks: 1/N of weights, grads, AdamW state
+    # fine-tuning (kvlm.training.start): start from these weights (a kvlm checkpoint or a Hugging Face folder)
+    # with a fresh optimizer at step 0, and train only some parameters (comma-separated fnmatch globs on
+    # parameter names, e.g. "*.attn.wkv_a*"): train_only selects, freeze removes from the selection
+    init: str | None = None
+    freeze: str | None = None
+    train_only: str | None = None
 
     def __post_init__(self) -> None:
+        coerce_fields(
+            self
+        )  # `lr: 1e-3` from YAML is the string "1e-3": a float, or one error naming the field
         self.validate()
 
     def validate(self) -> None:
@@ -66,12 +80,16 @@ class TrainConfig:
             raise ConfigError(f"need lr > 0 and 0 <= min_lr_ratio <= 1 (got {self.lr}, {self.min_lr_ratio})")
         if self.warmup_steps is not None and self.warmup_steps < 0:
             raise ConfigError(f"warmup_steps must be >= 0, got {self.warmup_steps}")
+        if self.device != "auto":
+            _check_device(self.device)
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ConfigError(f"dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
         if self.embedding_parallel and self.compile:
             raise ConfigError("embedding_parallel does not support compile (the gate exchange's collectives)")
         if self.fsdp and self.embedding_parallel:
             raise ConfigError("fsdp and embedding_parallel do not combine (choose one way to shard)")
+        if self.fsdp and (self.freeze or self.train_only):
+            raise ConfigError("freeze / train_only do not combine with fsdp here (untested); use DDP")
         if self.fsdp and self.compile:
             raise ConfigError("fsdp does not support compile here (wrap order); drop one of them")
 
@@ -86,6 +104,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        check_mapping(data, "TrainConfig")
         unknown = set(data) - {f.name for f in fields(cls)}
         if unknown:
             raise ConfigError(f"unknown TrainConfig field(s): {', '.join(sorted(unknown))}")
@@ -109,6 +128,16 @@ class TrainConfig:
         if self.max_tokens is not None:
             limits.append(math.ceil(self.max_tokens / self.tokens_per_step))
         return min(limits) if limits else None
+
+
+def _check_device(name: str) -> None:
+    """ConfigError for a device string torch cannot parse (``tpu``); availability is checked when training starts."""
+    import torch  # on use: a config can be built and validated without importing torch
+
+    try:
+        torch.device(name)
+    except (RuntimeError, TypeError, ValueError):
+        raise ConfigError(f"device {name!r} is not a device (use auto, cpu, cuda, cuda:N or mps)") from None
 
 
 def budget_text(t: TrainConfig) -> str:

@@ -14,10 +14,8 @@ are clipped by the whole model's norm, and checkpoints still hold whole tables a
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import random
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,19 +24,20 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
-from tqdm.contrib.logging import logging_redirect_tqdm
 
 from kvlm.attention import GateEmbedding
 from kvlm.config import ConfigError, ModelConfig
 from kvlm.data import PreparedData, load_prepared
-from kvlm.logs import ROOT, get_logger
-from kvlm.model import build_model
+from kvlm.errors import TrainingInterrupted
+from kvlm.files import json_text
+from kvlm.logs import get_logger
 from kvlm.parallel import data_parallel as dt
 from kvlm.parallel.embedding_parallel import clip_grad_norm, shard_gate_embeddings
+from kvlm.progress import Progress
 from kvlm.training.config import TrainConfig, budget_text
 from kvlm.training.data_order import BatchOrder, eval_starts
 from kvlm.training.device import autocast_for, resolve_device
+from kvlm.training.guard import FiniteCheck, InterruptFlag, run_lock
 from kvlm.training.metrics import (
     MetricsLog,
     StepClock,
@@ -48,7 +47,9 @@ from kvlm.training.metrics import (
     rank_memory,
     record,
 )
+from kvlm.training.plot import LOSS_PNG, write_loss_plot
 from kvlm.training.schedule import lr_at, make_optimizer
+from kvlm.training.start import apply_freeze, check_fit, initial_model
 from kvlm.training.state import (
     CHECKPOINT_DIR,
     RunProgress,
@@ -79,8 +80,8 @@ def train(
     out_dir: where config.yaml, metrics.jsonl and checkpoint/ go (None: nothing is written).
     resume: True = continue from out_dir/checkpoint, or a checkpoint folder; the model config then
     comes from the checkpoint (model_cfg may be None). adapt_vocab: set the model's vocab_size to the
-    tokenizer's instead of failing when it is smaller. progress: a tqdm bar on rank 0 (else one log record per
-    log interval); callback: called with every metrics record (rank 0 only). Log records go to the
+    tokenizer's instead of failing when it is smaller. progress: kvlm.progress on rank 0 (a bar on a terminal, else
+    periodic lines with rate and ETA besides one log record per log interval); callback: called with every metrics record (rank 0 only). Log records go to the
     ``kvlm.training`` loggers (rank 0). Seeds the global torch / numpy / random generators from train_cfg.seed."""
     data = data if isinstance(data, PreparedData) else load_prepared(data)
     info = dt.setup(resolve_device(train_cfg.device).type)
@@ -131,22 +132,23 @@ class Trainer:
         self.share = tcfg.batch_size // info.world_size  # this rank's rows of each global batch
         self.micro = self.share // tcfg.grad_accum
 
-        state = None
+        state, self.origin = None, None
         if resume:
             ckpt = Path(resume) if not isinstance(resume, bool) else self._checkpoint_dir()
             if ckpt is None:
                 raise ConfigError("resume=True needs an out_dir (or pass the checkpoint folder)")
             self.model, state = load_for_resume(ckpt, model_cfg, tcfg, data)
+            self.model_cfg, self.origin = self.model.cfg, state.get("origin")
+        else:  # a fresh model, or TrainConfig.init's weights (kvlm.training.start)
+            self.model, self.origin = initial_model(model_cfg, tcfg, data, adapt_vocab, self._say)
             self.model_cfg = self.model.cfg
-        else:
-            if model_cfg is None:
-                raise ConfigError("no model config given")
-            self.model_cfg = self._fit_vocab(model_cfg, adapt_vocab)
-            torch.manual_seed(tcfg.seed)  # the same initial weights on every rank, whatever came before
-            self.model = build_model(self.model_cfg)
-        self._check_fit()
+        check_fit(self.model_cfg, tcfg, data)
         self.model.to(self.device).train()
         self.n_params = self.model.parameter_counts()  # the whole model's, before any sharding
+        # before the optimizer, which leaves out the frozen parameters
+        self.n_trainable, n_frozen = apply_freeze(self.model, tcfg)
+        if n_frozen:
+            self._say(f"training {self.n_trainable:,} parameters, {n_frozen:,} frozen")
         self.sharded = self._shard_for_embedding_parallel()
         if tcfg.fsdp:  # FSDP2 before the optimizer: fully_shard turns the parameters into DTensors
             dt.wrap_fsdp(self.model, info)
@@ -180,6 +182,9 @@ class Trainer:
         self.mark = (0.0, 0)  # (time, tokens) of the last log record, for its tokens/s
         self.run_tokens = 0  # tokens trained in this session
         self.last_checkpoint: Path | None = None
+        self.saved_step = -1  # the step of the last checkpoint this session saved
+        self.finite = FiniteCheck(len(self.progress.losses))  # NaN / inf losses and weights stop the run
+        self.interrupt = InterruptFlag(on=False)  # run() turns Ctrl-C into a save and a stop
         self.grad_bytes = 0
         self.memory: dict[str, Any] = {}
 
@@ -191,24 +196,6 @@ class Trainer:
         """Log on rank 0 only: every rank runs the same loop and would repeat each line."""
         if self.info.is_main:
             logger.log(level, msg)
-
-    def _fit_vocab(self, cfg: ModelConfig, adapt: bool) -> ModelConfig:
-        if cfg.vocab_size == self.data.vocab_size or not adapt:
-            return cfg
-        self._say(f"vocab_size {cfg.vocab_size} -> {self.data.vocab_size} (the data's tokenizer)")
-        return cfg.replace(vocab_size=self.data.vocab_size)
-
-    def _check_fit(self) -> None:
-        cfg, data = self.model_cfg, self.data
-        if cfg.vocab_size < data.vocab_size:
-            raise ConfigError(
-                f"vocabulary mismatch: the model has vocab_size={cfg.vocab_size} but the data's tokenizer has "
-                f"{data.vocab_size} tokens (set vocab_size={data.vocab_size}, or adapt_vocab=True)"
-            )
-        if self.tcfg.seq_len > cfg.max_seq_len:
-            raise ConfigError(
-                f"seq_len={self.tcfg.seq_len} exceeds the model's max_seq_len={cfg.max_seq_len}"
-            )
 
     def _shard_for_embedding_parallel(self) -> bool:
         """TrainConfig.embedding_parallel: shard the gate tables over the ranks; True when they are sharded."""
@@ -258,7 +245,17 @@ class Trainer:
         return self.progress.elapsed_before + time.perf_counter() - self.t_start
 
     def run(self, progress: bool = True) -> TrainResult:
-        """Train until the budget is spent; ``progress``: a tqdm bar on rank 0 instead of a line per record."""
+        """Train until the budget is spent; ``progress``: kvlm.progress on rank 0 (a bar on a terminal)."""
+        info = self.info
+        # one trainer per run folder (rank 0 writes it); under torchrun Ctrl-C stays as it is: the ranks would
+        # stop at different steps
+        lock = (
+            run_lock(self.out_dir) if info.is_main and self.out_dir is not None else contextlib.nullcontext()
+        )
+        with lock, InterruptFlag(on=not info.enabled) as self.interrupt:
+            return self._run(progress)
+
+    def _run(self, progress: bool) -> TrainResult:
         tcfg, info = self.tcfg, self.info
         self._open_run_folder()
         self._say(
@@ -268,28 +265,16 @@ class Trainer:
             + (f", {info.world_size} ranks" if info.enabled else "")
             + (", embedding-parallel gate tables" if self.sharded else "")
         )
-        bar = tqdm(
-            total=self.total_steps,
-            initial=self.progress.step,
-            disable=not (progress and info.is_main),
-            unit="step",
-            dynamic_ncols=True,
-            file=sys.stderr,
-            leave=False,
-        )
+        # a bar on a terminal; elsewhere periodic lines with rate and ETA beside the per-record lines
+        bar = Progress(self.total_steps, "train", "step", initial=self.progress.step,
+                       enabled=progress and info.is_main)  # fmt: skip
         self.t_start = time.perf_counter()
         self.mark = (self.t_start, self.progress.tokens)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)  # this run's peak
         self.clock.restart(self.progress.step)
         try:
-            # while the bar is drawn, log records are written above it instead of through it
-            with (
-                logging_redirect_tqdm([logging.getLogger(ROOT)])
-                if not bar.disable
-                else contextlib.nullcontext()
-            ):
-                self._loop(bar)
+            self._loop(bar)
         finally:
             bar.close()
             self.metrics.close()
@@ -298,7 +283,9 @@ class Trainer:
     def _open_run_folder(self) -> None:
         if self.info.is_main and self.out_dir is not None:
             self.out_dir.mkdir(parents=True, exist_ok=True)
-            write_config(self.out_dir, self.model_cfg, self.tcfg, self.data, self.info.world_size)
+            write_config(
+                self.out_dir, self.model_cfg, self.tcfg, self.data, self.info.world_size, self.origin
+            )
         self.metrics = MetricsLog(
             self.out_dir, self.progress.step, self.tensorboard, self.callback, self.info.is_main
         )
@@ -319,10 +306,24 @@ class Trainer:
         # a time budget is judged by rank 0's clock, shared once a step: every rank must take the same
         # learning rate and stop at the same step
         self.shared_elapsed = self._broadcast_elapsed() if self.budget_s else 0.0
+        first = self.progress.step
         while not self._budget_spent():
+            t0 = time.perf_counter()
             lr = self.train_step()
             bar.update(1)
+            if self.progress.step == first + 1:
+                self._expect(time.perf_counter() - t0)
             self._bookkeeping(lr, bar)
+            if self.interrupt.requested:
+                self._save_and_stop()
+
+    def _expect(self, step_s: float) -> None:
+        """After this session's first step: the time the step budget will take at that pace, said up front."""
+        left = (self.total_steps or 0) - self.progress.step
+        if left > 0 and step_s * left > 60:
+            self._say(
+                f"first step {step_s:.1f} s: about {step_s * left / 60:.0f} min for the {left} steps left"
+            )
 
     def _broadcast_elapsed(self) -> float:
         return dt.broadcast_float(self.elapsed(), self.info, self.device)
@@ -381,19 +382,24 @@ class Trainer:
         if is_log:
             self._log(lr, is_eval, bar)
         if is_ckpt:
-            self.last_checkpoint = save_training_checkpoint(
-                self.out_dir,
-                self.model,
-                self.data,
-                tcfg,
-                self.optimizer,
-                self.progress,
-                self.elapsed(),
-                self.info,
-                self.sharded,
-            )
+            self._save()
         if is_log or is_ckpt:
             self.clock.restart(step)
+
+    def _save(self) -> None:
+        """Checkpoint this step, unless a loss or weight is NaN / infinite (the last good checkpoint stays)."""
+        self.finite.weights(self.model, self.info, self.progress.step, self._checkpoint_dir())
+        self.last_checkpoint = save_training_checkpoint(self.out_dir, self.model, self.data, self.tcfg,
+                                                        self.optimizer, self.progress, self.elapsed(), self.info,
+                                                        self.sharded, self.origin)  # fmt: skip
+        self.saved_step = self.progress.step
+
+    def _save_and_stop(self) -> None:
+        """Ctrl-C: save the current step (if not just saved) and raise TrainingInterrupted."""
+        self.flush_losses()
+        if self.out_dir is not None and self.saved_step != self.progress.step:
+            self._save()
+        raise TrainingInterrupted(self.progress.step, self.last_checkpoint)
 
     def _log(self, lr: float, is_eval: bool, bar) -> None:
         p = self.progress
@@ -413,15 +419,16 @@ class Trainer:
         if self.budget_s:
             postfix["left"] = f"{max(0.0, self.budget_s - self.shared_elapsed):.0f}s"
         bar.set_postfix(postfix, refresh=False)
-        if bar.disable or v is not None:  # the bar shows the rest
+        if not bar.drawn or v is not None:  # the bar shows the rest
             self._say(log_line(rec, self.total_steps))
 
     def flush_losses(self) -> None:
-        """Reduce the pending step losses over the ranks (the mean) into progress.losses."""
+        """Reduce the pending step losses over the ranks (the mean) into progress.losses; stop at a NaN / inf."""
         if self.pending:
             t = dt.all_reduce_sum(torch.stack(self.pending).float(), self.info) / self.info.world_size
             self.progress.losses.extend(t.tolist())
             self.pending.clear()
+        self.finite.losses(self.progress.losses, self._checkpoint_dir())
 
     def evaluate(self) -> float | None:
         if not self.val_starts:
@@ -467,7 +474,9 @@ class Trainer:
             model=self.model,
         )
         if self.info.is_main and out_dir is not None:
-            (out_dir / "result.json").write_text(json.dumps(result.to_dict(), indent=2))
+            (out_dir / "result.json").write_text(json_text(result.to_dict(), indent=2))
+            title = f"{self.model_cfg.attention} on {self.data.source}"
+            write_loss_plot(out_dir / LOSS_PNG, p.losses, p.val_losses, title)  # beside metrics.jsonl
         fv = f"{result.final_val_loss:.4f}" if result.final_val_loss is not None else "n/a"
         self._say(
             f"done: {p.step} steps, {p.tokens:,} tokens, {wall:.1f} s, final val loss {fv}"

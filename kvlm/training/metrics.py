@@ -10,6 +10,8 @@ peak_memory_bytes_per_rank, parameter_bytes_per_rank, gradient_bytes_per_rank, o
 from __future__ import annotations
 
 import json
+import math
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -17,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvlm.config import ConfigError
+from kvlm.files import json_text
 from kvlm.parallel import data_parallel as dt
 
 
@@ -105,7 +108,9 @@ class MetricsLog:
     def emit(self, rec: dict[str, Any]) -> None:
         self.history.append(rec)
         if self.file is not None:
-            self.file.write(json.dumps(rec) + "\n")
+            # strict JSON has no NaN: such a value is written as null, and non_finite names it
+            bad = [k for k, v in rec.items() if isinstance(v, float) and not math.isfinite(v)]
+            self.file.write(json_text({**rec, "non_finite": bad} if bad else rec) + "\n")
         if self.tb is not None:
             for k in self.SCALARS:
                 if rec.get(k) is not None:
@@ -167,7 +172,10 @@ def metrics_upto(path: Path, step: int) -> list[dict[str, Any]]:
             continue  # a line cut by a crash
         if rec.get("step", 0) <= step:
             kept.append(rec)
-    path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    # written beside and renamed over: a crash mid-write must not cut the run's history
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    os.replace(tmp, path)
     return kept
 
 

@@ -20,6 +20,7 @@ import yaml
 from kvlm.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from kvlm.config import ConfigError, ModelConfig
 from kvlm.data import PreparedData
+from kvlm.files import recover_folder
 from kvlm.parallel import data_parallel as dt
 from kvlm.training.config import DATA_ORDER_FIELDS, TrainConfig
 
@@ -84,6 +85,7 @@ def load_for_resume(
 ) -> tuple[torch.nn.Module, dict[str, Any]]:
     """(model, trainer state) from a checkpoint folder, after checking that resuming it with ``tcfg`` on ``data``
     continues the same run: same tokenizer, same model config (if given), same data order."""
+    recover_folder(path)  # a save cut by a crash between its renames: put its complete copy back
     if not path.is_dir():
         raise CheckpointError(f"nothing to resume: no checkpoint folder at {path}")
     if not (path / "trainer_state.pt").is_file():
@@ -93,7 +95,16 @@ def load_for_resume(
         state = torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=True)
     except Exception as e:  # truncated zip, unpickling errors: torch raises several kinds
         raise CheckpointError(f"checkpoint {path}: cannot read trainer_state.pt: {e}") from e
-    if tokenizer is not None and tokenizer.sha256() != data.tokenizer.sha256():
+    # without tokenizer.json, the sha256 that meta.json recorded of the data's tokenizer; with neither, refuse
+    # rather than skip the check (a resume on other token ids trains silently on garbage)
+    recorded = (((meta.get("data") or {}).get("tokenizer") or {}).get("sha256") if tokenizer is None
+                else tokenizer.sha256())  # fmt: skip
+    if recorded is None:
+        raise CheckpointError(
+            f"checkpoint {path} has no tokenizer.json (and meta.json records no tokenizer): cannot check that "
+            f"{data.path} uses the tokenizer it was trained with; copy the run's tokenizer.json into the checkpoint"
+        )
+    if recorded != data.tokenizer.sha256():
         raise CheckpointError(f"checkpoint {path} was trained with a different tokenizer than {data.path}")
     if model_cfg is not None:
         mine, theirs = model_cfg.to_dict(), model.cfg.to_dict()
@@ -106,6 +117,14 @@ def load_for_resume(
         if diff:
             raise ConfigError(f"resume: the model config differs from the checkpoint's in {', '.join(diff)}")
     saved = state["train_config"]
+    # the trainable set fixes the optimizer's parameter list: another one cannot load its AdamW state
+    diff = [k for k in ("train_only", "freeze") if saved.get(k) != getattr(tcfg, k)]
+    if diff:
+        raise ConfigError(
+            "resume: "
+            + ", ".join(f"{k}={getattr(tcfg, k)!r} (checkpoint: {saved.get(k)!r})" for k in diff)
+            + " would change which parameters train; pass the checkpoint's"
+        )
     diff = [k for k in DATA_ORDER_FIELDS if saved.get(k) != getattr(tcfg, k)]
     if diff:
         raise ConfigError(
@@ -127,6 +146,7 @@ def save_training_checkpoint(
     elapsed: float,
     info: dt.DistInfo,
     sharded: bool = False,
+    origin: dict[str, Any] | None = None,
 ) -> Path:
     """Write out_dir/checkpoint (weights, tokenizer, trainer_state.pt) atomically, ``elapsed`` seconds of
     training in; every rank calls it (the RNG states and sharded tables are gathered)."""
@@ -148,6 +168,7 @@ def save_training_checkpoint(
                 "val_losses": [list(v) for v in progress.val_losses],
                 "world_size": info.world_size,
                 "train_config": tcfg.to_dict(),
+                "origin": origin,  # a fine-tune's starting weights (kvlm.training.start), for config.yaml
             }
             meta = {
                 "step": progress.step,
@@ -155,13 +176,24 @@ def save_training_checkpoint(
                 "val_loss": progress.val_losses[-1][1] if progress.val_losses else None,
                 "train_config": tcfg.to_dict(),
                 "data": data.summary(),
+                **({"init": origin} if origin else {}),
             }
             save_checkpoint(path, model, tokenizer=data.tokenizer, meta=meta, trainer_state=state)
     dt.barrier(info)
     return path
 
 
-def write_config(out_dir: Path, cfg: ModelConfig, tcfg: TrainConfig, data: PreparedData, world: int) -> None:
-    """config.yaml of the run folder: model, train and data sections and the number of ranks."""
+def write_config(
+    out_dir: Path,
+    cfg: ModelConfig,
+    tcfg: TrainConfig,
+    data: PreparedData,
+    world: int,
+    origin: dict[str, Any] | None = None,
+) -> None:
+    """config.yaml of the run folder: model, train and data sections, the number of ranks and, for a fine-tune,
+    ``init``: where its weights came from (path, kind, the init checkpoint's step and tokens)."""
     doc = {"model": cfg.to_dict(), "train": tcfg.to_dict(), "data": data.summary(), "world_size": world}
+    if origin:
+        doc["init"] = origin
     (out_dir / "config.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))

@@ -7,16 +7,22 @@ import json
 import os
 from pathlib import Path
 
-# examples/lm_eval_tasks/winogrande_local/utils.py -> the repository root is three folders up
-_DEFAULT = Path(__file__).resolve().parents[3].parent / "shared" / "eval" / "winogrande-bb" / "test.jsonl"
+ENV = "KVLM_WINOGRANDE_PATH"
 
 
 def load_local(data_path: str | None = None, **_):
     import datasets
 
-    path = Path(data_path or os.environ.get("KVLM_WINOGRANDE_PATH") or _DEFAULT)
+    # no default location: the file is wherever the user keeps it (an installed kvlm has no ../shared)
+    given = data_path or os.environ.get(ENV)
+    if not given:
+        raise FileNotFoundError(
+            f'winogrande_local: no data file given; pass --metadata \'{{"data_path": "FILE"}}\' or set {ENV}=FILE '
+            "(a JSONL file: sentence, option1, option2, answer per line)"
+        )
+    path = Path(given)
     if not path.is_file():
-        raise FileNotFoundError(f"winogrande_local: no data file at {path} (set --metadata data_path=...)")
+        raise FileNotFoundError(f"winogrande_local: no data file at {path} (from data_path or {ENV})")
     rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
     for i, row in enumerate(rows):
         if "_" not in row.get("sentence", "") or str(row.get("answer")) not in ("1", "2"):

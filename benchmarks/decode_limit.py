@@ -1,0 +1,282 @@
+"""Decode at the hardware limit (issue 15): ms per decode step against the per-operation floor, kvlm with its
+CPU kernels, kvlm's plain PyTorch path (KVLM_KERNELS=0) and transformers' peers, in one run.
+
+    python benchmarks/decode_limit.py                 # the full run (~5-10 min on 2 quiet cores)
+    python benchmarks/decode_limit.py --quick         # a toy shape: checks the script, numbers mean nothing
+
+Writes benchmarks/decode-limit.md (tables) and benchmarks/decode-limit.json (every row). Rows:
+
+- batch 8 / 4096 cached tokens and batch 1 / 8192, 2 threads: MHA, GQA-3, MLA absorbed and naive
+  (d_c 256, d_h^R 32), kernels on and off, peers (Llama for MHA/GQA, DeepseekV3 for MLA) at batch 8 / 4096;
+- batch 1 / 8192 at 1 thread (does batch-1 decode use both cores?);
+- T = 4 new tokens against T = 1 for absorbed MLA at 4096 cached tokens (speculative verification).
+
+The floor of a step is the sum over its operation classes (weight GEMMs, attention over the cache, LM head)
+of max(bytes / bandwidth, FLOPs / matmul peak), with bandwidth and peak measured at the same thread count
+(kvlm.bench.roofline, kvlm.bench.opstime for the measured time per class).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from kvlm.attention.base import Linear
+from kvlm.bench import make_plan, run
+from kvlm.bench.measure import fill_cache
+from kvlm.model import build_model
+
+HERE = Path(__file__).parent
+SHAPE = dict(n_layer=6, d_model=768, n_head=12, vocab_size=32000, ffn_dim=2048)
+MLA = "mla:kv_lora_rank=256:rope_head_dim=32"
+VARIANTS = ["mha", "gqa:n_kv_head=3", MLA]
+QUICK = dict(n_layer=1, d_model=64, n_head=4, vocab_size=256, ffn_dim=128)
+MLA_QUICK = "mla:kv_lora_rank=32:rope_head_dim=8"
+
+
+def bench(batch, context, threads, kernels, peers, quick):
+    """One `kvlm bench` run (library API) at ``threads`` threads, kernels on or off."""
+    os.environ["KVLM_KERNELS"] = "1" if kernels else "0"
+    torch.set_num_threads(threads)
+    shape = QUICK if quick else SHAPE
+    variants = ["mha", "gqa:n_kv_head=2", MLA_QUICK] if quick else VARIANTS
+    plan = make_plan(
+        None,
+        dict(
+            variants=variants, modes=["naive", "absorbed"], batch=[batch], context=[context], prompt=[16],
+            steps=3 if quick else 6, warmup=1 if quick else 2, repeats=1, bandwidth_mib=8 if quick else 512, **shape,
+        ),
+        peers=peers,
+        budget_s=None if quick else 30.0,
+    )  # fmt: skip
+    res = run(plan)
+    for r in res["decode"]:
+        r.update(threads=threads, kernels=kernels if r["impl"] == "kvlm" else None)
+    return res
+
+
+def _interleaved(calls: dict, reps: int) -> dict:
+    """Median ms of each zero-argument call, the calls interleaved (the machine may be shared: ratios count)."""
+    times: dict = {k: [] for k in calls}
+    for _ in range(reps):
+        for k, f in calls.items():
+            t0 = time.perf_counter()
+            f()
+            times[k].append((time.perf_counter() - t0) * 1e3)
+    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+
+
+def _model(spec_full, spec_quick, context, quick):
+    from kvlm.bench.plan import parse_variant
+
+    _, cfg = parse_variant(spec_quick if quick else spec_full, QUICK if quick else SHAPE)
+    cfg = cfg.replace(max_seq_len=context + 64)
+    return cfg, build_model(cfg).eval().prepare_for_inference()
+
+
+def multi_token(threads, quick):
+    """ms per call of MLA with T = 1, 2, 4, 8, 16 new tokens (speculative verification) on a cache of 4096
+    tokens, batch 1 and 8: the "auto" route (prefers_absorbed) and the expand route it declines, interleaved.
+    Every call computes the logits of all T positions (verification needs them: the LM head reads T B rows).
+    The cache is rolled back to ``context`` after every call, so each call sees the same cache."""
+    os.environ["KVLM_KERNELS"] = "1"
+    torch.set_num_threads(threads)
+    context = 64 if quick else 4096
+    cfg, model = _model(MLA, MLA_QUICK, context, quick)
+    out = {}
+    with torch.inference_mode():
+        for batch in (1, 2) if quick else (1, 8):
+            out[batch] = _multi_token_batch(model, cfg, batch, context, quick)
+    return out
+
+
+def _multi_token_batch(model, cfg, batch, context, quick):
+    """One batch size of ``multi_token``: {"T=.. mode (route)": ms}."""
+    cache = model.new_cache(batch, context + 16)
+    fill_cache(cache, context, cfg.vocab_size)
+    calls = {}
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    for T in (1, 2, 4, 8, 16):
+        tok = torch.randint(0, cfg.vocab_size, (batch, T))
+        # weights packed for the call's B T rows (KVLM.pack_for_decode), except below 4 rows where it does not pay
+        model.pack_for_decode(batch * T if batch * T >= 4 else None)
+        packs = [m._packed for m in linears]
+        for mode in ("auto", "expand") if T in (1, 4, 16) else ("auto",):
+            trace: list = []
+
+            def call(tok=tok, mode=mode, trace=trace, cache=cache, packs=packs):
+                for m, p in zip(linears, packs):
+                    m._packed = p
+                trace.clear()
+                model(tok, cache=cache, mode=mode, trace=trace)  # logits at every new position: verification
+                cache.length = context  # roll back: the next call verifies against the same cache
+
+            calls[(T, mode)] = call
+            call()  # warm; records the route
+            calls[(T, mode)].route = trace[0][1]
+    ms = _interleaved(calls, 3 if quick else 6)
+    model.pack_for_decode(None)
+    return {f"T={T} {mode} ({calls[(T, mode)].route})": v for (T, mode), v in ms.items()}
+
+
+def weights_packed(threads, quick):
+    """Weight GEMMs at batch 1-8: the whole step (absorbed MLA, GQA-3, 4096 cached tokens) with the weights in
+    MKL's packed layout (KVLM.pack_for_decode) against unpacked, interleaved; and the GEMMs alone (one layer's
+    projections + LM head, every weight streamed from memory) per layout: F.linear (x W^T), Linear's W x^T
+    and the packed product."""
+    import torch.nn.functional as F
+
+    torch.set_num_threads(threads)
+    context = 64 if quick else 4096
+    out = {}
+    with torch.inference_mode():
+        for spec, spec_q in ((MLA, MLA_QUICK), ("gqa:n_kv_head=3", "gqa:n_kv_head=2")):
+            cfg, model = _model(spec, spec_q, context, quick)
+            for batch in (1, 8):
+                cache = model.new_cache(batch, context + 4)
+                fill_cache(cache, context, cfg.vocab_size)
+                tok = torch.randint(0, cfg.vocab_size, (batch, 1))
+
+                model.pack_for_decode(batch)  # once; the calls below swap the packed copies in and out
+                packs = {m: m._packed for m in model.modules() if isinstance(m, Linear)}
+
+                def step(packed, tok=tok, cache=cache, model=model, packs=packs):
+                    for m, p in packs.items():
+                        m._packed = p if packed else None
+                    model(tok, cache=cache, last_only=True)
+                    cache.length = context
+
+                ms = _interleaved(
+                    {"unpacked": lambda: step(False), "packed": lambda: step(True)}, 3 if quick else 8
+                )
+                out[f"step {spec if not quick else spec_q} batch {batch}"] = ms
+            model.pack_for_decode(None)
+        shape = QUICK if quick else SHAPE
+        d, f, v = shape["d_model"], shape["ffn_dim"], shape["vocab_size"]
+        weights = [
+            torch.randn(o, i)
+            for _ in range(shape["n_layer"])
+            for o, i in ((3 * d, d), (d, d), (f, d), (f, d), (d, f))
+        ]
+        weights.append(torch.randn(v, d))
+        for M in (1, 2, 3, 4, 8):
+            xs = {i: torch.randn(M, i) for i in (d, f)}
+            packed = [torch.ops.mkl._mkl_reorder_linear_weight(w, M) for w in weights]
+            calls = {
+                "F.linear": lambda xs=xs: [F.linear(xs[w.shape[1]], w) for w in weights],
+                "W x^T": lambda xs=xs: [torch.mm(w, xs[w.shape[1]].t()).t().contiguous() for w in weights],
+                "packed": lambda xs=xs, packed=packed, M=M: [
+                    torch.ops.mkl._mkl_linear(xs[w.shape[1]], p, w, None, M) for w, p in zip(weights, packed)
+                ],
+            }  # fmt: skip
+            ms = _interleaved(calls, 3 if quick else 8)
+            mb = sum(w.numel() for w in weights) * 4 / 1e6
+            out[f"GEMMs M={M} ({mb:.0f} MB)"] = {k: round(t, 2) for k, t in ms.items()}
+    return out
+
+
+def row_line(r):
+    ops = r.get("operations") or {}
+    floor = sum(o["floor_ms"] for o in ops.values()) if ops else None
+
+    def x(name):
+        v = ops.get(name, {}).get("x_floor")
+        return f"{v:.2f}" if v is not None else ""
+
+    impl = r["impl"] if r["impl"] != "kvlm" else ("kvlm kernels" if r["kernels"] else "kvlm plain")
+    cells = [
+        r["variant"], r["route"], impl, r["batch"], r["context"], r["threads"], f"{r['median_ms']:.1f}",
+        f"{floor:.1f}" if floor else "", f"{r['median_ms'] / floor:.2f}" if floor else "",
+        x("weight GEMMs"), x("attention"), x("LM head"),
+    ]  # fmt: skip
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+HEAD = (
+    "| variant | route | impl | batch | context | threads | ms/step | floor ms | x floor | weights x | attention x "
+    "| LM head x |\n|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a toy shape, to check the script (seconds)")
+    ap.add_argument("--out", default=str(HERE / "decode-limit"), help="output path without extension")
+    args = ap.parse_args()
+    q = args.quick
+    big, long = (2, 64) if q else (8, 4096), (1, 128) if q else (1, 8192)
+    runs = []
+    for (b, c), threads, kernels, peers in [
+        (big, 2, True, True), (big, 2, False, False),
+        (long, 2, True, False), (long, 2, False, False), (long, 1, True, False),
+    ]:  # fmt: skip
+        print(f"batch {b}, context {c}, {threads} threads, kernels {'on' if kernels else 'off'}", flush=True)
+        runs.append(bench(b, c, threads, kernels, peers, q))
+    mt = multi_token(2, q)
+    wp = weights_packed(2, q)
+    rows = [r for res in runs for r in res["decode"]]
+    lines = [
+        "# Decode at the hardware limit (issue 15)",
+        "",
+        f"Generated by `python benchmarks/decode_limit.py{' --quick' if q else ''}`. Machine: "
+        f"{runs[0]['machine']['cpu']}, {runs[0]['machine']['cores']} cores, torch {runs[0]['machine']['torch']}, "
+        f"load average at start {runs[0]['machine']['load_average']}.",
+        "",
+        "Hardware measured in each run at its thread count (floors use these): "
+        + "; ".join(
+            f"{res['decode'][0]['threads']} threads: {res['hardware']['bandwidth_gbs']:.1f} GB/s, "
+            f"{res['hardware']['matmul_fp32_gflops']:.0f} GFLOP/s"
+            for res in runs
+        ),
+        "",
+        "Floor = sum over operation classes of max(bytes / bandwidth, FLOPs / peak); `x` columns are measured / "
+        "floor per class (attention = step - step at 1 cached token; LM head timed alone; weights = the rest).",
+        "",
+        HEAD,
+        *[row_line(r) for r in rows],
+        "",
+        f"Multi-token decode (speculative verification), MLA, {64 if q else 4096} cached tokens, 2 threads, ms "
+        "per call with the logits of every new position, weights packed for the call's rows (route taken in "
+        "parentheses; x T=1 = against T = 1 on the auto route):",
+        "",
+        "| batch | call | ms | x T=1 |",
+        "|---:|---|---:|---:|",
+        *[
+            f"| {b} | {k} | {v:.1f} | {v / next(iter(row.values())):.2f} |"
+            for b, row in mt.items()
+            for k, v in row.items()
+        ],
+        "",
+        "Weight GEMMs at small batch, 2 threads, ms (median of interleaved runs): the whole step with the weights "
+        "packed for MKL (`KVLM.pack_for_decode`, what `generate` does at batch 4-16) or not, and the GEMMs alone:",
+        "",
+        "| case | " + " | ".join(next(iter(wp.values())).keys()) + " |",
+        "|---|" + "---:|" * len(next(iter(wp.values()))),
+        *[
+            f"| {k} | " + " | ".join(f"{t:.2f}" for t in row.values()) + " |"
+            for k, row in wp.items()
+            if k.startswith("step")
+        ],
+        "",
+        "| GEMMs alone | F.linear | W x^T | packed |",
+        "|---|---:|---:|---:|",
+        *[
+            f"| {k} | " + " | ".join(f"{t:.2f}" for t in row.values()) + " |"
+            for k, row in wp.items()
+            if k.startswith("GEMMs")
+        ],
+    ]
+    Path(args.out + ".md").write_text("\n".join(lines) + "\n")
+    Path(args.out + ".json").write_text(
+        json.dumps({"runs": runs, "multi_token_ms": mt, "weights_packed_ms": wp}, indent=1, default=str)
+    )
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,238 @@
+"""Fused decode kernels and their dispatch: attention of a few new tokens over a cache read in place.
+
+- ``latent_decode(q_lat, q_rope, c_kv, k_rope, n_new, scale)``: MLA's absorbed route, softmax(scale (q_lat
+  c_kv^T + q_rope k_rope^T)) c_kv, every cached latent read once for all heads.
+- ``gqa_decode(q, k, v, n_new, scale)``: MHA/GQA/MQA, each cached K/V head read once for its query heads.
+
+Both read the cache through ``BlockView``s (kvlm.cache.layer: pool + block table + start/end), so the same
+kernel serves the contiguous cache (zero copy) and the paged / int8 one. On CPU tensors they run the C++/OpenMP
+flash-decoding kernel of ``kvlm.kernels.cpu`` (built on first use); on CUDA, ``latent_decode`` runs the Triton
+kernel of ``kvlm.kernels.triton_decode``. When no fast path applies (kernels disabled with ``KVLM_KERNELS=0``,
+no compiler, an unsupported dtype, autograd recording, too many new tokens) they return None, or raise
+``KernelUnavailable`` with the reason when called with ``strict=True``; callers then take the plain PyTorch
+path, which stays the reference the kernels are tested against (tests/test_kernels.py).
+
+``CALLS`` counts the kernel calls by name ("latent_cpu", "gqa_cpu", "latent_triton"), so tests can prove
+the decode routes use the kernels.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import TYPE_CHECKING
+
+import torch
+
+from kvlm.kernels import cpu
+
+if TYPE_CHECKING:
+    from kvlm.cache.layer import BlockView
+
+MAX_NEW = 16  # new tokens per call the kernels take (decode, speculative verification); prefill goes to SDPA
+MIN_SPLIT_KEYS = (
+    512  # keys per split of the sequence axis at least: fewer cost more in merging than they save
+)
+CALLS: Counter[str] = Counter()
+# FLOPs the kernels ran (2 per multiply-add, scores and values, every visible key counted): torch's FLOP counter
+# does not see them, so kvlm.bench.flops.CountFlops adds this running total's increase
+FLOPS: Counter[str] = Counter()
+_POOL_DTYPES = {
+    torch.float32: (torch.float32, torch.bfloat16, torch.int8),
+    torch.float64: (torch.float64, torch.int8),
+}
+
+
+class KernelUnavailable(RuntimeError):
+    """No fast kernel applies to this call (the message says why); the caller takes the plain path."""
+
+
+def ready(q: torch.Tensor, n_new: int, latent: bool = False) -> bool:
+    """Whether a decode call with queries ``q`` and ``n_new`` new tokens may go to a kernel (before the caller
+    writes the cache for it): on CPU float32/64 tensors, few new tokens, no autograd, kernels enabled and built
+    (the first call builds them); on CUDA the Triton kernel, for latent attention only."""
+    if q.device.type == "cuda":
+        return latent and _triton_reason(q) is None
+    return _cpu_reason(q, n_new) is None
+
+
+def _cpu_reason(q: torch.Tensor, n_new: int) -> str | None:
+    if q.device.type != "cpu":
+        return f"tensors on {q.device}"
+    if q.dtype not in _POOL_DTYPES:
+        return f"queries of {q.dtype} (the CPU kernel computes in float32 / float64)"
+    if n_new > MAX_NEW:
+        return f"{n_new} new tokens (more than {MAX_NEW}: prefill-sized)"
+    if torch.is_grad_enabled() and q.requires_grad:
+        return "autograd is recording (the kernel has no backward)"
+    if not cpu.enabled():
+        return f"disabled by {cpu.ENV}=0"
+    if cpu.extension() is None:
+        return f"the extension did not build ({cpu.build_error()})"
+    return None
+
+
+def _check_pool(q: torch.Tensor, view: BlockView, what: str) -> str | None:
+    if view.pool.dtype not in _POOL_DTYPES[q.dtype]:
+        return f"{what} pool of {view.pool.dtype} with {q.dtype} queries"
+    if view.pool.stride(-1) != 1:
+        return f"{what} pool not contiguous in its last axis"
+    if view.block_table.dtype != torch.int32 or view.start.dtype != torch.int32:
+        return f"{what} block table / start / end not int32"
+    if (view.scale is not None) != (view.pool.dtype == torch.int8):
+        return f"{what}: int8 pools need a per-token scale, others none"
+    if view.pool.shape[-2] != view.page_size:
+        return f"{what} pool's page axis {view.pool.shape[-2]} is not the page size {view.page_size}"
+    return None
+
+
+def _same_pages(a: BlockView, b: BlockView) -> bool:
+    if a.page_size != b.page_size:
+        return False
+    if a.block_table is b.block_table and a.start is b.start and a.end is b.end:
+        return True
+    return all(
+        torch.equal(x, y) for x, y in ((a.block_table, b.block_table), (a.start, b.start), (a.end, b.end))
+    )
+
+
+def _splits(items: int, view: BlockView) -> int:
+    """Pieces of the key axis per (sequence, group): the fewest that make the work items a multiple of the
+    threads (batch 1 on 2 threads: 2 halves of the sequence; 3 KV heads on 2 threads: 6 items, not 2 + 1),
+    each at least MIN_SPLIT_KEYS long, else 1."""
+    threads = torch.get_num_threads()
+    want = threads // math.gcd(items, threads)
+    if want == 1:
+        return 1
+    longest = int((view.end - view.start).max()) if view.end.numel() else 0
+    return want if longest // want >= MIN_SPLIT_KEYS else 1
+
+
+def _keys(view: BlockView) -> int:
+    """Cached keys of all sequences of a view (for the FLOP count)."""
+    return int((view.end - view.start).sum())
+
+
+def _unavailable(strict: bool, why: str) -> None:
+    if strict:
+        raise KernelUnavailable(why)
+    return None
+
+
+def _scale(scale: torch.Tensor | None) -> torch.Tensor | None:
+    """(N, *lead, P, 1) per-token scales as float32 (what the kernel reads)."""
+    return None if scale is None else scale.to(torch.float32)
+
+
+def latent_decode(
+    q_lat: torch.Tensor,
+    q_rope: torch.Tensor | None,
+    c_kv: BlockView,
+    k_rope: BlockView | None,
+    n_new: int,
+    scale: float,
+    strict: bool = False,
+) -> torch.Tensor | None:
+    """z (B, H, T, D_c) = softmax(scale (q_lat c_kv^T + q_rope k_rope^T)) c_kv over each sequence's cached
+    slots [start_b, end_b), causal among its T = ``n_new`` new tokens (the last T slots). q_lat (B, H, T, D_c),
+    q_rope (B, H, T, d_R) or None; c_kv pool (N, P, D_c), k_rope pool (N, P, d_R) on the same pages.
+    None (or KernelUnavailable if ``strict``) when no kernel applies."""
+    B, H, T, Dc = q_lat.shape
+    if T != n_new:
+        raise ValueError(f"q_lat has {T} new tokens, n_new says {n_new}")
+    if (q_rope is None) != (k_rope is None):
+        raise ValueError("q_rope and k_rope go together")
+    if q_lat.device.type == "cuda":
+        return _latent_triton(q_lat, q_rope, c_kv, k_rope, scale, strict)
+    why = _cpu_reason(q_lat, n_new)
+    why = why or _check_pool(q_lat, c_kv, "c_kv")
+    if why is None and c_kv.pool.dim() != 3:
+        why = f"c_kv pool of shape {tuple(c_kv.pool.shape)} (latent blocks: not this kernel)"
+    if why is None and k_rope is not None:
+        why = _check_pool(q_lat, k_rope, "k_rope")
+        if why is None and (k_rope.pool.dim() != 3 or k_rope.scale is not None):
+            why = "grouped or quantized RoPE keys"
+        if why is None and not _same_pages(c_kv, k_rope):
+            why = "c_kv and k_rope on different pages"
+    if why is not None:
+        return _unavailable(strict, why)
+    q = q_lat.reshape(B, 1, H * T, Dc)
+    qr = None if q_rope is None else q_rope.reshape(B, 1, H * T, q_rope.shape[-1])
+    pool = c_kv.pool.unsqueeze(1)
+    s = _scale(c_kv.scale)
+    s = None if s is None else s.unsqueeze(1)
+    CALLS["latent_cpu"] += 1
+    FLOPS["total"] += 2 * H * T * _keys(c_kv) * (2 * Dc + (0 if q_rope is None else q_rope.shape[-1]))
+    out = cpu.extension().decode_attention(
+        q, qr, pool, s, pool, s, None if k_rope is None else k_rope.pool,
+        c_kv.block_table, c_kv.start, c_kv.end, c_kv.page_size, n_new, scale, _splits(B, c_kv),
+    )  # fmt: skip
+    return out.view(B, H, T, Dc)
+
+
+def gqa_decode(
+    q: torch.Tensor,
+    k: BlockView,
+    v: BlockView,
+    n_new: int,
+    scale: float,
+    strict: bool = False,
+) -> torch.Tensor | None:
+    """o (B, Hq, T, D_v) = softmax(scale q k^T) v, query head i reading KV head i // (Hq / G): q (B, Hq, T, D),
+    k pool (N, G, P, D), v pool (N, G, P, D_v) on the same pages; slots and causality as ``latent_decode``."""
+    B, Hq, T, D = q.shape
+    if T != n_new:
+        raise ValueError(f"q has {T} new tokens, n_new says {n_new}")
+    why = _cpu_reason(q, n_new) or _check_pool(q, k, "k") or _check_pool(q, v, "v")
+    if why is None and (k.pool.dim() != 4 or v.pool.dim() != 4):
+        why = f"K/V pools of shapes {tuple(k.pool.shape)}, {tuple(v.pool.shape)} (expected (N, G, P, D))"
+    if why is None and (Hq % k.pool.shape[1] or k.pool.shape[1] != v.pool.shape[1]):
+        why = f"{Hq} query heads over {k.pool.shape[1]} / {v.pool.shape[1]} K/V heads"
+    if why is None and not _same_pages(k, v):
+        why = "K and V on different pages"
+    if why is not None:
+        return _unavailable(strict, why)
+    G = k.pool.shape[1]
+    CALLS["gqa_cpu"] += 1
+    FLOPS["total"] += 2 * Hq * T * _keys(k) * (D + v.pool.shape[-1])
+    out = cpu.extension().decode_attention(
+        q.reshape(B, G, Hq // G * T, D), None, k.pool, _scale(k.scale), v.pool, _scale(v.scale), None,
+        k.block_table, k.start, k.end, k.page_size, n_new, scale, _splits(B * G, k),
+    )  # fmt: skip
+    return out.view(B, Hq, T, v.pool.shape[-1])
+
+
+def _triton_reason(q: torch.Tensor) -> str | None:
+    try:
+        from kvlm.kernels import triton_decode
+    except ImportError as e:  # pragma: no cover - the module is part of kvlm; triton itself is optional
+        return f"kvlm.kernels.triton_decode: {e}"
+    if not triton_decode.available():
+        return "triton is not installed"
+    if q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return f"queries of {q.dtype}"
+    if torch.is_grad_enabled() and q.requires_grad:
+        return "autograd is recording (the kernel has no backward)"
+    if not cpu.enabled():
+        return f"disabled by {cpu.ENV}=0"
+    return None
+
+
+def _latent_triton(q_lat, q_rope, c_kv, k_rope, scale, strict):
+    why = _triton_reason(q_lat)
+    if why is not None:
+        return _unavailable(strict, why)
+    from kvlm.kernels import triton_decode
+
+    CALLS["latent_triton"] += 1
+    FLOPS["total"] += (
+        2
+        * q_lat.shape[1]
+        * q_lat.shape[2]
+        * _keys(c_kv)
+        * (2 * q_lat.shape[-1] + (0 if q_rope is None else q_rope.shape[-1]))
+    )
+    return triton_decode.latent_decode_triton(q_lat, q_rope, c_kv, k_rope, scale)
+
+
+__all__ = ["CALLS", "FLOPS", "MAX_NEW", "KernelUnavailable", "ready", "gqa_decode", "latent_decode"]

@@ -1,0 +1,87 @@
+"""Build and load of the C++/OpenMP decode kernel (csrc/decode.cpp), compiled on first use.
+
+``torch.utils.cpp_extension.load`` compiles it with -O3 -march=native into its cache directory
+(``TORCH_EXTENSIONS_DIR``, default ~/.cache/torch_extensions) and reuses the build while the source and flags
+are unchanged. -march=native code only runs on CPUs with the same instruction sets, so the module name carries
+a hash of this CPU's flags: a cache directory shared by different machines holds one build per kind of CPU.
+
+``extension()`` returns the loaded module, or None when kernels are disabled (``KVLM_KERNELS=0``) or the build
+failed (no compiler, no headers): the failure is logged once and callers take the plain PyTorch path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import threading
+from pathlib import Path
+from types import ModuleType
+
+from kvlm.logs import get_logger
+
+log = get_logger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "decode.cpp"
+ENV = "KVLM_KERNELS"
+CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fno-math-errno"]
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "module" once built, "error" once failed
+
+
+def enabled() -> bool:
+    """False when ``KVLM_KERNELS=0`` (or "false"/"off"): every kernel is skipped, the plain path runs."""
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def _cpu_tag() -> str:
+    """A short hash of this CPU's model and instruction-set flags (what -march=native compiles for)."""
+    text = platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "flags")):
+                text += line
+                if line.startswith("flags"):
+                    break
+    except OSError:
+        pass
+    return hashlib.sha1(text.encode()).hexdigest()[:10]
+
+
+def extension() -> ModuleType | None:
+    """The compiled kernel module (built on the first call, ~1 min), or None (disabled or unbuildable)."""
+    if not enabled():
+        return None
+    if "module" in _state or "error" in _state:
+        return _state.get("module")  # type: ignore[return-value]
+    with _lock:
+        if "module" in _state or "error" in _state:
+            return _state.get("module")  # type: ignore[return-value]
+        try:
+            from torch.utils.cpp_extension import load
+
+            log.info("building the CPU decode kernel (first use; cached afterwards)")
+            _state["module"] = load(
+                name=f"kvlm_decode_cpu_{_cpu_tag()}",
+                sources=[str(SOURCE)],
+                extra_cflags=CFLAGS,
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+            )
+        except Exception as e:  # no compiler, missing headers, a failed link: the plain path still works
+            _state["error"] = (
+                f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
+            )
+            log.warning(
+                "CPU decode kernel unavailable (%s); decoding with the PyTorch path. Set %s=0 to skip the build.",
+                _state["error"],
+                ENV,
+            )
+            return None
+    return _state.get("module")  # type: ignore[return-value]
+
+
+def build_error() -> str | None:
+    """Why the last build failed (None if it did not, or was not tried)."""
+    return _state.get("error")  # type: ignore[return-value]

@@ -1,0 +1,215 @@
+// Flash-decoding attention over a block-table cache on CPU (kvlm.kernels.cpu builds this on first use).
+//
+//   out[b, g, r] = softmax_j(scale (q[b,g,r] . k[b,g,j] + q_rope[b,g,r] . k_rope[b,j])) v[b,g,j]
+//
+// One kernel serves MLA's absorbed route (G = 1 group, R = H x T query rows, k = v = the cached latent c_kv,
+// k_rope the shared RoPE key) and GQA/MHA decode (G = KV heads, R = query heads per KV head x T, no RoPE
+// term). Every query row of a group shares each cached key, so a tile of keys is loaded once (from any page,
+// dequantized from int8 / bf16 into an L1-sized float tile) and used by all R rows: scores as a small
+// register-blocked GEMM, an online softmax per row, values accumulated by a second register-blocked GEMM.
+// Work items are (sequence, group, split of the key axis); with few sequences the key axis is split over the
+// threads and the partial (max, sum, acc) of each split are merged by log-sum-exp at the end.
+//
+// Query row r is new token t = r % T of its sequence, at logical slot end_b - T + t; it sees the keys
+// [start_b, end_b - T + t] (causal among the new tokens). A row that sees no key there (a left-padding query
+// of a padded prefill) sees its own slot only, as kvlm.attention.step.Step.build's mask says.
+
+// ATen and torch's pybind casters only, not <torch/extension.h> (the whole C++ frontend): half the build time
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include "decode_core.h"
+
+namespace {
+
+using namespace kvlm_decode;
+
+DType to_dtype(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return DType::f32;
+    case at::kDouble: return DType::f64;
+    case at::kBFloat16: return DType::bf16;
+    case at::kChar: return DType::i8;
+    default: TORCH_CHECK(false, "unsupported cache dtype ", t);
+  }
+  return DType::f32;
+}
+
+Pool make_pool(const at::Tensor& pool, const c10::optional<at::Tensor>& scale, bool grouped) {
+  TORCH_CHECK(pool.stride(-1) == 1, "cache pool must be contiguous in its last axis");
+  Pool p;
+  p.data = pool.data_ptr();
+  p.dtype = to_dtype(pool.scalar_type());
+  p.D = pool.size(-1);
+  p.s_page = pool.stride(0);
+  p.s_group = grouped ? pool.stride(1) : 0;
+  p.s_row = pool.stride(-2);
+  if (scale.has_value() && scale->defined()) {
+    const auto& s = *scale;
+    TORCH_CHECK(s.scalar_type() == at::kFloat, "cache scales must be float32");
+    p.scale = s.data_ptr<float>();
+    p.sc_page = s.stride(0);
+    p.sc_group = grouped ? s.stride(1) : 0;
+    p.sc_row = s.dim() >= 2 ? s.stride(grouped ? 2 : 1) : 1;
+  }
+  return p;
+}
+
+// q (B, G, R, Dk), q_rope (B, G, R, Dr) or undefined; returns (B, G, R, Dv).
+template <typename T>
+at::Tensor run(const Job& J, const at::Tensor& q, const at::Tensor& q_rope, int64_t n_split) {
+  using V = typename Vec<T>::type;
+  constexpr int L = Vec<T>::L;
+  const int64_t B = J.B, G = J.G, R = J.R, Rp = J.Rp;
+  auto out = at::empty({B, G, R, J.Dv}, q.options());
+  // padded, aligned copies of the queries: (B, G, Rp, Dkp) and (B, G, Rp, Drp)
+  std::vector<V> qpad_v(B * G * Rp * J.Dkp / L + 1), qrpad_v(J.Dr ? B * G * Rp * J.Drp / L + 1 : 1);
+  T* qpad = reinterpret_cast<T*>(qpad_v.data());
+  T* qrpad = reinterpret_cast<T*>(qrpad_v.data());
+  std::fill(qpad, qpad + B * G * Rp * J.Dkp, T(0));
+  if (J.Dr) std::fill(qrpad, qrpad + B * G * Rp * J.Drp, T(0));
+  {
+    auto qa = q.accessor<T, 4>();
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t r = 0; r < R; ++r) {
+          T* dst = qpad + ((b * G + g) * Rp + r) * J.Dkp;
+          for (int64_t d = 0; d < J.Dk; ++d) dst[d] = qa[b][g][r][d];
+        }
+    if (J.Dr) {
+      auto qra = q_rope.accessor<T, 4>();
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t g = 0; g < G; ++g)
+          for (int64_t r = 0; r < R; ++r) {
+            T* dst = qrpad + ((b * G + g) * Rp + r) * J.Drp;
+            for (int64_t d = 0; d < J.Dr; ++d) dst[d] = qra[b][g][r][d];
+          }
+    }
+  }
+  // per sequence: the key range read, and each row's visible slots [lo, hi]
+  std::vector<int64_t> first(B), lo(B * R), hi(B * R);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t s0 = J.start[b], e = J.end[b];
+    first[b] = std::min(s0, std::max<int64_t>(e - J.T, 0));
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t own = e - J.T + r % J.T;
+      lo[b * R + r] = own < s0 ? own : s0;
+      hi[b * R + r] = own;
+    }
+  }
+  const int64_t items = B * G * n_split;
+  // partials: (items, Rp) m and l, (items, Rp, Dvp) acc
+  std::vector<T> pm(items * Rp, -std::numeric_limits<T>::infinity()), pl(items * Rp, T(0));
+  std::vector<V> pacc_v(items * Rp * J.Dvp / L + 1);
+  T* pacc = reinterpret_cast<T*>(pacc_v.data());
+  std::fill(pacc, pacc + items * Rp * J.Dvp, T(0));
+  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t it = i0; it < i1; ++it) {
+      const int64_t sp = it % n_split, bg = it / n_split, b = bg / G, g = bg % G;
+      const int64_t a = first[b], e = J.end[b], len = std::max<int64_t>(e - a, 0);
+      const int64_t chunk = round_up((len + n_split - 1) / n_split, kTile);
+      const int64_t j0 = a + sp * chunk, j1 = std::min(e, j0 + chunk);
+      if (j0 >= j1) continue;
+      attend_range<T>(J, qpad + bg * Rp * J.Dkp, qrpad + bg * Rp * J.Drp, b, g, j0, j1, lo.data() + b * R,
+                      hi.data() + b * R, pm.data() + it * Rp, pl.data() + it * Rp, pacc + it * Rp * J.Dvp);
+    }
+  });
+  // merge the splits by log-sum-exp and normalise
+  auto oa = out.accessor<T, 4>();
+  for (int64_t bg = 0; bg < B * G; ++bg) {
+    const int64_t b = bg / G, g = bg % G;
+    for (int64_t r = 0; r < R; ++r) {
+      T M = -std::numeric_limits<T>::infinity();
+      for (int64_t sp = 0; sp < n_split; ++sp) M = std::max(M, pm[(bg * n_split + sp) * Rp + r]);
+      T Lsum = 0;
+      std::vector<T> o(J.Dv, T(0));
+      for (int64_t sp = 0; sp < n_split; ++sp) {
+        const int64_t it = bg * n_split + sp;
+        if (pl[it * Rp + r] == T(0)) continue;
+        const T w = std::exp(pm[it * Rp + r] - M);
+        Lsum += pl[it * Rp + r] * w;
+        const T* ar = pacc + (it * Rp + r) * J.Dvp;
+        for (int64_t d = 0; d < J.Dv; ++d) o[d] += ar[d] * w;
+      }
+      const T inv = Lsum > T(0) ? T(1) / Lsum : T(0);
+      for (int64_t d = 0; d < J.Dv; ++d) oa[b][g][r][d] = o[d] * inv;
+    }
+  }
+  return out;
+}
+
+at::Tensor check_table(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kInt, what, " must be int32");
+  return t.contiguous();
+}
+
+// The op. k_pool (N, G, P, Dk); v_pool (N, G, P, Dv) (the same tensor as k_pool for a latent: read once);
+// kr_pool (N, P, Dr) shared by the groups; scales (N, G, P, 1) float32 for int8 pools.
+at::Tensor decode_attention(const at::Tensor& q, const c10::optional<at::Tensor>& q_rope, const at::Tensor& k_pool,
+                            const c10::optional<at::Tensor>& k_scale, const at::Tensor& v_pool,
+                            const c10::optional<at::Tensor>& v_scale, const c10::optional<at::Tensor>& kr_pool,
+                            const at::Tensor& block_table, const at::Tensor& start, const at::Tensor& end,
+                            int64_t page_size, int64_t n_new, double scale, int64_t n_split) {
+  TORCH_CHECK(q.dim() == 4 && k_pool.dim() == 4 && v_pool.dim() == 4, "q, k_pool, v_pool must be 4-D");
+  TORCH_CHECK(q.device().is_cpu(), "the CPU decode kernel takes CPU tensors");
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble, "q must be float32 or float64");
+  const bool has_rope = q_rope.has_value() && q_rope->defined();
+  TORCH_CHECK(has_rope == (kr_pool.has_value() && kr_pool->defined()), "q_rope and kr_pool go together");
+  auto table = check_table(block_table, "block_table");
+  auto st = check_table(start, "start");
+  auto en = check_table(end, "end");
+  Job J;
+  J.B = q.size(0);
+  J.G = q.size(1);
+  J.R = q.size(2);
+  J.T = n_new;
+  J.Dk = q.size(3);
+  J.Dv = v_pool.size(-1);
+  J.Dr = has_rope ? q_rope->size(3) : 0;
+  J.P = page_size;
+  J.max_blocks = table.size(1);
+  TORCH_CHECK(k_pool.size(1) == J.G && v_pool.size(1) == J.G, "pools must have G = q.size(1) groups");
+  TORCH_CHECK(k_pool.size(-1) == J.Dk, "k_pool width differs from q's");
+  TORCH_CHECK(J.R % J.T == 0, "rows must be heads x new tokens");
+  TORCH_CHECK(table.size(0) == J.B && st.size(0) == J.B && en.size(0) == J.B, "tables must have B rows");
+  const int64_t L = q.scalar_type() == at::kFloat ? Vec<float>::L : Vec<double>::L;
+  J.Dkp = round_up(J.Dk, L);
+  J.Dvp = round_up(J.Dv, L);
+  J.Drp = J.Dr ? round_up(J.Dr, L) : 0;
+  J.Rp = round_up(J.R, 4);
+  J.table = table.data_ptr<int32_t>();
+  J.start = st.data_ptr<int32_t>();
+  J.end = en.data_ptr<int32_t>();
+  // bad slots or pages would read outside the pools: one clear error instead
+  const int64_t n_pages = k_pool.size(0);
+  for (int64_t b = 0; b < J.B; ++b) {
+    const int64_t s0 = J.start[b], e = J.end[b];
+    TORCH_CHECK(s0 >= 0 && e >= J.T && e <= J.max_blocks * J.P, "sequence ", b, ": slots [", s0, ", ", e,
+                ") do not fit its block table of ", J.max_blocks, " pages of ", J.P, " with ", J.T, " new tokens");
+    for (int64_t i = std::min(s0, e - J.T) / J.P; i < (e + J.P - 1) / J.P; ++i) {
+      const int64_t page = J.table[b * J.max_blocks + i];
+      TORCH_CHECK(page >= 0 && page < n_pages, "sequence ", b, ": block table entry ", i, " = ", page,
+                  " is not a page of the pool (", n_pages, " pages)");
+    }
+  }
+  J.k = make_pool(k_pool, k_scale, true);
+  J.v = make_pool(v_pool, v_scale, true);
+  J.v_is_k = v_pool.data_ptr() == k_pool.data_ptr() && v_pool.strides() == k_pool.strides() &&
+             v_pool.sizes() == k_pool.sizes();
+  if (has_rope) {
+    TORCH_CHECK(kr_pool->dim() == 3 && kr_pool->size(-1) == J.Dr, "kr_pool must be (N, P, d_R)");
+    J.kr = make_pool(*kr_pool, c10::nullopt, false);
+  }
+  J.scale = scale;
+  at::Tensor qr = has_rope ? *q_rope : at::Tensor();
+  n_split = std::max<int64_t>(1, n_split);
+  if (q.scalar_type() == at::kFloat) return run<float>(J, q, qr, n_split);
+  return run<double>(J, q, qr, n_split);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("decode_attention", &decode_attention, "flash-decoding attention over a block-table cache (CPU)");
+}

@@ -1,0 +1,217 @@
+"""The decode step's fast paths against the plain path (issue 15, "the rest of the step"): weights packed into
+MKL's GEMM layout (``Linear.pack_for_decode``, ``KVLM.pack_for_decode``, ``generate(pack_weights=...)``) and
+the route of multi-token decode (``LatentAttention.prefers_absorbed``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvlm.attention.base import Linear
+from kvlm.config import ModelConfig
+from kvlm.inference.generation import generate
+from kvlm.model import build_model
+
+needs_mkl = pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="torch built without MKL")
+
+
+def _linear(bias: bool, d_in=48, d_out=40) -> Linear:
+    torch.manual_seed(0)
+    lin = Linear(d_in, d_out, bias=bias)
+    if bias:
+        torch.nn.init.normal_(lin.bias)
+    return lin.eval()
+
+
+def _cfg(attention: str, **kw) -> ModelConfig:
+    base = dict(
+        attention=attention, n_layer=2, d_model=64, n_head=4, vocab_size=97, ffn_dim=96, max_seq_len=64
+    )
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+@needs_mkl
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_packed_linear_matches_plain(bias, rows):
+    lin = _linear(bias)
+    x = torch.randn(rows, 1, 48)
+    want = F.linear(x, lin.weight, lin.bias)
+    assert lin.pack_for_decode(rows)
+    with torch.inference_mode():
+        fast = lin._packed_for(x, rows)  # the packed product itself, not a fallback
+        got = lin(x)
+    assert fast is not None
+    torch.testing.assert_close(fast, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert got.shape == (rows, 1, 40)
+
+
+@needs_mkl
+def test_packed_linear_falls_back_when_stale_or_other_rows():
+    lin = _linear(True)
+    lin.pack_for_decode(4)
+    x = torch.randn(4, 48)
+    assert lin._packed_for(x, 4) is None  # autograd records (the weight requires grad): the plain path
+    torch.set_grad_enabled(False)
+    try:
+        _stale_or_other_rows(lin, x)
+    finally:
+        torch.set_grad_enabled(True)
+
+
+def _stale_or_other_rows(lin, x):
+    assert lin._packed_for(torch.randn(3, 48), 3) is None  # packed for 4 rows only
+    assert lin._packed_for(x.double(), 4) is None
+    with torch.no_grad():
+        lin.weight.mul_(2.0)  # a write to the weight makes the packed copy stale
+    assert lin._packed_for(x, 4) is None
+    torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
+    lin.pack_for_decode(4)
+    assert lin._packed_for(x, 4) is not None
+    lin.train()
+    assert lin._packed is None
+    lin.pack_for_decode(4)
+    lin.double()
+    assert lin._packed is None
+    assert not lin.pack_for_decode(4)  # float64 weights stay on the plain (reference) path
+
+
+@needs_mkl
+def test_packed_linear_of_inference_tensors():
+    """A model built under inference_mode has weights without a version counter: packing still works."""
+    with torch.inference_mode():
+        lin = _linear(True)
+        x = torch.randn(2, 48)
+        assert lin.pack_for_decode(2)
+        assert lin._packed_for(x, 2) is not None
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+
+
+@needs_mkl
+def test_packed_linear_keeps_gradients():
+    lin = _linear(True).train(False)
+    lin.pack_for_decode(4)
+    x = torch.randn(4, 48, requires_grad=True)
+    assert lin._packed_for(x, 4) is None  # autograd recording: the plain path, which has a backward
+    lin(x).sum().backward()
+    assert lin.weight.grad is not None and x.grad is not None
+
+
+@needs_mkl
+@pytest.mark.parametrize("attention", ["mla", "gqa"])
+@pytest.mark.parametrize("n_new", [1, 4])
+def test_packed_model_decode_matches_plain(attention, n_new):
+    torch.manual_seed(0)
+    extra = dict(n_kv_head=2) if attention == "gqa" else dict(kv_lora_rank=32, rope_head_dim=8)
+    model = build_model(_cfg(attention, **extra)).eval().prepare_for_inference()
+    B = 3
+    prompt = torch.randint(0, 97, (B, 9))
+    step = torch.randint(0, 97, (B, n_new))
+    outs = []
+    for packed in (False, True):
+        n_linear = sum(isinstance(m, Linear) for m in model.modules())
+        assert model.pack_for_decode(B * n_new if packed else None) == (n_linear if packed else 0)
+        cache = model.new_cache(B, 32)
+        with torch.inference_mode():
+            model(prompt, cache=cache)
+            outs.append(model(step, cache=cache))
+    assert model.lm_head._packed is not None
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5)
+    model.pack_for_decode(None)
+    assert all(m._packed is None for m in model.modules() if isinstance(m, Linear))
+
+
+@needs_mkl
+def test_generate_packs_for_its_batch_and_drops_after():
+    torch.manual_seed(0)
+    model = build_model(_cfg("mla", kv_lora_rank=32, rope_head_dim=8))
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    seen = []
+    orig = Linear._packed_for
+
+    def spy(self, x, rows):
+        y = orig(self, x, rows)
+        seen.append(y is not None)
+        return y
+
+    Linear._packed_for = spy
+    try:
+        packed = generate(model, prompts, 20, pack_weights=True)
+        n_packed = sum(seen)
+    finally:
+        Linear._packed_for = orig
+    plain = generate(model, prompts, 20, pack_weights=False)
+    assert n_packed > 0  # the decode steps ran the packed products
+    assert packed == plain  # greedy: the same tokens
+    assert all(m._packed is None for m in model.modules() if isinstance(m, Linear))
+    # packed beforehand by the caller for this batch: used and kept (in eval mode; train(True) drops it)
+    model.eval().pack_for_decode(3)
+    assert generate(model, prompts, 20) == plain
+    assert model.lm_head._packed is not None
+
+
+def test_generate_float64_never_packs():
+    torch.manual_seed(0)
+    model = build_model(_cfg("mla", kv_lora_rank=32, rope_head_dim=8), dtype=torch.float64)
+    generate(model, [[1, 2], [3, 4]], 20, pack_weights=True)
+    assert all(m._packed is None for m in model.modules() if isinstance(m, Linear))
+
+
+@pytest.mark.parametrize("n_new", [1, 2, 4, 8, 16])
+def test_multi_token_decode_takes_absorbed_route(n_new):
+    """Speculative verification (T = 2..16 against a long cache) stays on the absorbed route for MLA, where its
+    cost per new token is lowest (prefers_absorbed), and agrees with the expand route."""
+    torch.manual_seed(0)
+    model = build_model(_cfg("mla", kv_lora_rank=32, rope_head_dim=8, max_seq_len=160)).eval()
+    model.prepare_for_inference()
+    prompt = torch.randint(0, 97, (2, 80))  # absorbed needs 4 T <= cached tokens (absorb_ratio)
+    step = torch.randint(0, 97, (2, n_new))
+    outs = {}
+    for mode in ("auto", "expand"):
+        cache = model.new_cache(2, 100)
+        trace: list = []
+        with torch.inference_mode():
+            model(prompt, cache=cache)
+            outs[mode] = model(step, cache=cache, mode=mode, trace=trace)
+        if mode == "auto":
+            assert {r for _, r in trace} == {"absorbed"}
+    torch.testing.assert_close(outs["auto"], outs["expand"], rtol=1e-4, atol=1e-5)
+
+
+@needs_mkl
+def test_packed_step_counts_the_same_flops():
+    """kvlm bench counts a step's FLOPs with torch's counter, which must see the packed products too."""
+    from kvlm.bench.flops import CountFlops
+
+    torch.manual_seed(0)
+    model = build_model(_cfg("gqa", n_kv_head=2)).eval().prepare_for_inference()
+    tok = torch.randint(0, 97, (4, 1))
+    totals = []
+    for packed in (False, True):
+        model.pack_for_decode(4 if packed else None)
+        cache = model.new_cache(4, 16)
+        with torch.inference_mode(), CountFlops() as c:
+            model(tok, cache=cache)
+        totals.append(c.total)
+    assert totals[0] > 0 and totals[1] == totals[0]
+
+
+@needs_mkl
+def test_generate_packs_by_default_only_where_it_pays(monkeypatch):
+    """Default: packed at batch 4-16 for 16+ steps on CPU float32 (below 4 rows it does not pay), then dropped."""
+    from kvlm.model import KVLM
+
+    torch.manual_seed(0)
+    model = build_model(_cfg("gqa", n_kv_head=2)).eval()
+    calls = []
+    orig = KVLM.pack_for_decode
+    monkeypatch.setattr(KVLM, "pack_for_decode", lambda self, rows: calls.append(rows) or orig(self, rows))
+    generate(model, [[1, 2]] * 4, 16)
+    assert calls == [4, None]
+    calls.clear()
+    generate(model, [[1, 2]] * 4, 8)  # too few steps to repay packing
+    generate(model, [[1, 2]] * 2, 16)  # too few rows
+    assert calls == []

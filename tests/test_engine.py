@@ -1,0 +1,310 @@
+"""The serving engine (kvlm.serve.Engine): greedy output equal to kvlm.generate whatever the page size, chunking,
+batching and preemption; abort frees pages; prefix sharing; seeded sampling independent of the batch; stop
+rules; logprobs; clear errors for bad requests."""
+
+import pytest
+import torch
+from conftest import tiny_config
+
+from kvlm import build_model, generate
+from kvlm.serve import Engine, SamplingParams
+
+GREEDY = dict(temperature=0.0)
+
+
+class CharTokenizer:
+    """Two letters per id (so a stop string can span tokens); ``eos_id`` like kvlm's Tokenizer."""
+
+    eos_id = 96
+
+    def decode(self, ids):
+        return "".join(chr(97 + i % 26) + chr(65 + i // 26) for i in ids)
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch.manual_seed(0)
+    out = {}
+    for name in ("mla", "mha", "eg-mla"):
+        out[name] = build_model(tiny_config(name, max_seq_len=96)).double().requires_grad_(False)
+    return out
+
+
+def _prompts(n=5, lengths=(5, 11, 2, 30, 17), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 97, (k,), generator=g).tolist() for k in lengths[:n]]
+
+
+def _run(engine, prompts, params):
+    """Submit all prompts at once, step to the end; per request the ids, the text, the final output."""
+    ids = [engine.add_request(p, params) for p in prompts]
+    toks = {i: [] for i in ids}
+    text = {i: "" for i in ids}
+    final = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            toks[o.request_id] += o.new_token_ids
+            text[o.request_id] += o.new_text
+            assert o.completion_tokens == len(toks[o.request_id])
+            if o.finished:
+                final[o.request_id] = o
+    return [toks[i] for i in ids], [text[i] for i in ids], [final[i] for i in ids]
+
+
+@pytest.mark.parametrize("name", ["mla", "mha", "eg-mla"])
+@pytest.mark.parametrize("page_size,chunk", [(1, 256), (16, 7)])
+def test_greedy_equals_generate(models, name, page_size, chunk):
+    model = models[name]
+    prompts = _prompts()
+    want = [generate(model, p, 10, **GREEDY) for p in prompts]
+    engine = Engine(model, cache_tokens=512, page_size=page_size, prefill_chunk=chunk)
+    got, _, finals = _run(engine, prompts, SamplingParams(max_tokens=10, **GREEDY))
+    assert got == want
+    assert all(f.finish_reason == "length" and f.prompt_tokens == len(p) for f, p in zip(finals, prompts))
+    s = engine.stats()
+    assert s["pages_used"] == 0 and s["running"] == s["waiting"] == 0
+    assert s["generation_tokens_total"] == 50 and s["prompt_tokens_total"] == sum(map(len, prompts))
+
+
+def test_preemption_under_a_tiny_pool_gives_the_same_outputs(models):
+    model = models["mla"]
+    prompts = _prompts()
+    want = [generate(model, p, 12, **GREEDY) for p in prompts]
+    engine = Engine(model, cache_tokens=48, page_size=4, prefill_chunk=8)  # 12 pages for 5 requests
+    got, _, _ = _run(engine, prompts, SamplingParams(max_tokens=12, **GREEDY))
+    assert got == want
+    assert engine.stats()["preemptions"] > 0 and engine.stats()["pages_used"] == 0
+
+
+def test_max_batch_limits_the_running_requests(models):
+    engine = Engine(models["mla"], cache_tokens=512, page_size=4, max_batch=2)
+    for p in _prompts():
+        engine.add_request(p, SamplingParams(max_tokens=3, **GREEDY))
+    engine.step()
+    assert engine.stats()["running"] == 2 and engine.stats()["waiting"] == 3
+
+
+def test_abort_frees_pages(models):
+    engine = Engine(models["mla"], cache_tokens=256, page_size=4)
+    a = engine.add_request(_prompts()[3], SamplingParams(max_tokens=20, **GREEDY))
+    b = engine.add_request(_prompts()[1], SamplingParams(max_tokens=20, **GREEDY))
+    engine.step()
+    engine.step()
+    assert engine.stats()["pages_used"] > 0
+    engine.abort(a)
+    used_b = len(engine.cache.seq_pages(b))
+    assert engine.stats()["pages_used"] == used_b
+    engine.abort(b)
+    assert engine.stats()["pages_used"] == 0
+    outs = engine.step()
+    assert {o.request_id: o.finish_reason for o in outs} == {a: "abort", b: "abort"}
+    assert all(o.finished for o in outs) and not engine.has_unfinished()
+    engine.abort("unknown")  # already gone: nothing to do
+
+
+def test_prefix_sharing_uses_fewer_pages_and_same_outputs(models):
+    model = models["mha"]
+    common = _prompts(1, (24,), seed=5)[0]
+    prompts = [common + [1, 2, 3], common + [7]]
+    want = [generate(model, p, 6, **GREEDY) for p in prompts]
+    peak = {}
+    for enable in (True, False):
+        engine = Engine(model, cache_tokens=256, page_size=8, enable_prefix_cache=enable)
+        params = SamplingParams(max_tokens=6, **GREEDY)
+        first = engine.add_request(prompts[0], params)
+        got = [
+            engine.step()[0].new_token_ids,
+            [],
+        ]  # its full pages are keyed before the second prompt arrives
+        rids = [first, engine.add_request(prompts[1], params)]
+        peak[enable] = 0
+        while engine.has_unfinished():
+            for o in engine.step():
+                got[rids.index(o.request_id)] += o.new_token_ids
+            peak[enable] = max(peak[enable], engine.stats()["pages_used"])
+        assert got == want
+        assert engine.stats()["prefix_cache_hit_tokens"] == (24 if enable else 0)
+    assert peak[True] == peak[False] - 3  # the 3 full pages of the common prefix are held once
+
+
+def test_seeded_sampling_is_reproducible_whatever_the_batch(models):
+    model = models["mla"]
+    p = _prompts()[1]
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_k=20, top_p=0.9, seed=123)
+    alone = Engine(model, cache_tokens=512).generate([p], params)[0]
+    engine = Engine(model, cache_tokens=512, page_size=4)
+    others = [SamplingParams(max_tokens=8, temperature=0.7, seed=s) for s in (1, 2)]
+    ids = [engine.add_request(q, o) for q, o in zip(_prompts()[2:4], others)]
+    mine = engine.add_request(p, params)
+    got = {i: [] for i in [*ids, mine]}
+    while engine.has_unfinished():
+        for o in engine.step():
+            got[o.request_id] += o.new_token_ids
+    assert got[mine] == alone
+    other_seed = Engine(model, cache_tokens=512).generate(
+        [p], SamplingParams(**{**vars(params), "seed": 124})
+    )[0]
+    assert other_seed != alone  # the seed matters (12 draws over a 20-token nucleus)
+
+
+def test_stop_strings_stop_ids_eos_and_max_tokens(models):
+    model, tok = models["mla"], CharTokenizer()
+    p = _prompts()[3]
+    engine = Engine(model, tok, cache_tokens=512, page_size=4)
+    full_ids, full_text, finals = _run(engine, [p], SamplingParams(max_tokens=12, ignore_eos=True, **GREEDY))
+    full_ids, full_text = full_ids[0], full_text[0]
+    assert full_text == tok.decode(full_ids) and finals[0].finish_reason == "length" and len(full_ids) == 12
+    # a stop string spanning two tokens: the text stops before it
+    stop = full_text[9:12]
+    cut = full_text.find(stop)
+    ids, text, finals = _run(
+        engine, [p], SamplingParams(max_tokens=12, stop=[stop], ignore_eos=True, **GREEDY)
+    )
+    assert text[0] == full_text[:cut] and finals[0].finish_reason == "stop"
+    assert ids[0] == full_ids[: len(ids[0])] and len(ids[0]) < 12
+    # a stop token id: not emitted
+    stop_id = full_ids[5]
+    first = full_ids.index(stop_id)
+    ids, text, finals = _run(engine, [p], SamplingParams(max_tokens=12, stop_token_ids=[stop_id], **GREEDY))
+    assert ids[0] == full_ids[:first] and finals[0].finish_reason == "stop" and text[0] == tok.decode(ids[0])
+    # EOS ends a request unless ignore_eos
+    tok.eos_id = full_ids[7]
+    try:
+        eos_engine = Engine(model, tok, cache_tokens=512)
+        ids, _, finals = _run(eos_engine, [p], SamplingParams(max_tokens=12, **GREEDY))
+        assert ids[0] == full_ids[: full_ids.index(tok.eos_id)] and finals[0].finish_reason == "stop"
+        ids, _, _ = _run(eos_engine, [p], SamplingParams(max_tokens=12, ignore_eos=True, **GREEDY))
+        assert ids[0] == full_ids
+    finally:
+        tok.eos_id = CharTokenizer.eos_id
+    # the model's context ends a request ("length")
+    long = _prompts(1, (94,))[0]
+    ids, _, finals = _run(engine, [long], SamplingParams(max_tokens=10, ignore_eos=True, **GREEDY))
+    assert len(ids[0]) == 3 and finals[0].finish_reason == "length"  # positions 94, 95 fed back; 96 > context
+
+
+def test_logprobs(models):
+    model = models["mla"]
+    p = _prompts()[0]
+    engine = Engine(model, CharTokenizer(), cache_tokens=256)
+    rid = engine.add_request(p, SamplingParams(max_tokens=3, logprobs=2, ignore_eos=True, **GREEDY))
+    lps, tops, ids = [], [], []
+    while engine.has_unfinished():
+        for o in engine.step():
+            assert o.request_id == rid
+            ids += o.new_token_ids
+            lps += o.token_logprobs
+            tops += o.top_logprobs
+    cache = model.new_cache(1, 16)
+    logits = model(torch.tensor([p]), cache=cache)[0, -1]
+    want = torch.log_softmax(logits, -1)
+    assert lps[0] == pytest.approx(float(want[ids[0]]), abs=1e-9)
+    assert len(tops) == 3 and all(len(t) == 2 for t in tops)
+    assert max(tops[0].values()) == pytest.approx(
+        lps[0], abs=1e-12
+    )  # greedy: the chosen token is the top one
+    engine.add_request(p, SamplingParams(max_tokens=1, logprobs=0, **GREEDY))
+    out = engine.step()[0]
+    assert len(out.token_logprobs) == 1 and out.top_logprobs is None
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("max_tokens", 0),
+        ("max_tokens", 2.5),
+        ("temperature", -1.0),
+        ("temperature", "hot"),
+        ("top_k", -1),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("seed", 1.5),
+        ("stop", [""]),
+        ("stop", [3]),
+        ("stop_token_ids", [-1]),
+        ("logprobs", -1),
+        ("logprobs", 21),
+        ("ignore_eos", "yes"),
+    ],
+)
+def test_bad_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_bad_requests_get_clear_errors(models):
+    model = models["mla"]
+    engine = Engine(model, cache_tokens=64, page_size=4)
+    ok = SamplingParams(max_tokens=4)
+    with pytest.raises(ValueError, match="prompt is empty"):
+        engine.add_request([], ok)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request([1, 97], ok)
+    with pytest.raises(ValueError, match="longer than the model's context of 96"):
+        engine.add_request([1] * 97, ok)
+    with pytest.raises(ValueError, match="more than the whole cache pool"):
+        engine.add_request([1] * 60, SamplingParams(max_tokens=20))
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        engine.add_request([1], SamplingParams(stop=["x"]))
+    engine.add_request([1], ok, request_id="r")
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request([1], ok, request_id="r")
+    with pytest.raises(ValueError, match="max_batch"):
+        Engine(model, max_batch=0)
+    assert engine.max_model_len == 96
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_beside_running_decodes(models):
+    model = models["mla"]
+    engine = Engine(model, cache_tokens=512, page_size=4, prefill_chunk=8)
+    params = SamplingParams(max_tokens=20, **GREEDY)
+    a = engine.add_request(_prompts()[0], params)
+    engine.step()  # a's prompt (5 tokens) is in, its first token out
+    long_prompt = _prompts(1, (40,), seed=9)[0]
+    b = engine.add_request(long_prompt, params)
+    for _ in range(4):  # 40 prompt tokens at 8 a step: a decodes every step meanwhile
+        outs = {o.request_id: o for o in engine.step()}
+        assert len(outs[a].new_token_ids) == 1 and b not in outs
+        assert engine.requests[b].computed < 40
+    outs = {o.request_id: o for o in engine.step()}  # the last chunk, then b's first token
+    assert len(outs[a].new_token_ids) == 1 and len(outs[b].new_token_ids) == 1
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats()["pages_used"] == 0
+
+
+def test_prefill_chunks_of_several_requests_run_as_one_forward(models):
+    """Prompts of different lengths admitted together are prefilled in one padded forward (not one each), and
+    the greedy output still equals generate in float64."""
+    from kvlm.serve.engine import group_chunks
+
+    model = models["mha"]
+    prompts = _prompts(4, lengths=(30, 17, 20, 25))
+    want = [generate(model, p, 4, **GREEDY) for p in prompts]
+    engine = Engine(model, cache_tokens=512, page_size=4, prefill_chunk=256)
+    calls = []
+    hook = model.register_forward_pre_hook(lambda m, args: calls.append(tuple(args[0].shape)))
+    try:
+        ids = [engine.add_request(p, SamplingParams(max_tokens=4, **GREEDY)) for p in prompts]
+        got = {i: [] for i in ids}
+        for o in engine.step():  # all four prompts in, and their first tokens
+            got[o.request_id] += o.new_token_ids
+        assert calls == [(4, 30)]
+        while engine.has_unfinished():
+            for o in engine.step():
+                got[o.request_id] += o.new_token_ids
+    finally:
+        hook.remove()
+    assert [got[i] for i in ids] == want
+    assert engine.cache.num_used_pages == 0
+
+    class R:  # group_chunks only reads the counts
+        pass
+
+    chunks = [(R(), n) for n in (100, 90, 3, 3, 3, 8, 8)]
+    groups = [[n for _, n in g] for g in group_chunks(chunks)]
+    assert sorted(n for g in groups for n in g) == sorted(n for _, n in chunks)
+    # the 3-token chunks would take the padded size over twice the real tokens: a group of their own
+    assert groups == [[100, 90, 8, 8], [3, 3, 3]]
+    groups = [[n for _, n in g] for g in group_chunks([(R(), n) for n in (16, 16, 9, 9, 4)])]
+    assert groups == [[16, 16], [9, 9], [4]]  # at most 16 columns (the kernels' calls): equal lengths only

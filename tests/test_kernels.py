@@ -1,0 +1,363 @@
+"""The CPU decode kernels (kvlm.kernels) against the plain path: a float64 reference written here from the
+definition (softmax over each sequence's visible slots), kvlm's own plain routes, and whole-model decoding with
+kernels on and off; and the dispatch: decode routes do call the kernels, and fall back when they cannot."""
+
+import math
+import shutil
+
+import pytest
+import torch
+from conftest import tiny_config
+
+from kvlm import build_model, kernels
+from kvlm.attention.latent_ops import latent_attention
+from kvlm.attention.step import Step, attend
+from kvlm.cache.layer import BlockView
+from kvlm.cache.quantized import dequantize, quantize
+from kvlm.kernels import KernelUnavailable
+from kvlm.kernels import cpu as kcpu
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    """The extension, built once (minutes the first time on a machine). No compiler: skipped, and the plain
+    path is what the rest of the suite runs; a compiler that fails to build it is a failure."""
+    if not kcpu.enabled():
+        pytest.skip(f"kernels disabled by {kcpu.ENV}=0")
+    if kcpu.extension() is None:
+        if shutil.which("c++") or shutil.which("g++"):
+            pytest.fail(f"a C++ compiler is present but the kernel did not build: {kcpu.build_error()}")
+        pytest.skip("no C++ compiler: the CPU kernels cannot be built here")
+
+
+def paged(x: torch.Tensor, page_size: int, gen: torch.Generator, lead: bool = False):
+    """x (B, [G,] S, D) -> a pool (N, [G,] P, D) of shuffled pages with one spare, and the block table."""
+    B, S = x.shape[0], x.shape[-2]
+    nb = math.ceil(S / page_size)
+    perm = torch.randperm(B * nb + 1, generator=gen)[: B * nb]
+    table = perm.view(B, nb).to(torch.int32)
+    pool = torch.zeros(B * nb + 1, *x.shape[1:-2], page_size, x.shape[-1], dtype=x.dtype)
+    for b in range(B):
+        for j in range(S):
+            pool[table[b, j // page_size], ..., j % page_size, :] = x[b, ..., j, :]
+    return pool, table
+
+
+def reference(q, k, v, start, end, T, scale, q_rope=None, k_rope=None):
+    """float64 attention from the definition: q (B, G, R, D) rows r = (head, t), t = r % T; k (B, G, S, D),
+    v (B, G, S, Dv); row t of sequence b sees slots [start_b, end_b - T + t], or only its own slot if that
+    range is empty (a left-padding query)."""
+    B, G, R, _ = q.shape
+    out = torch.zeros(B, G, R, v.shape[-1], dtype=torch.float64)
+    for b in range(B):
+        s0, e = int(start[b]), int(end[b])
+        for r in range(R):
+            own = e - T + r % T
+            keys = torch.arange(s0 if own >= s0 else own, own + 1)
+            sc = k[b, :, keys].double() @ q[b, :, r, :, None].double()  # (G, n, 1)
+            if q_rope is not None:
+                sc = sc + (k_rope[b, keys].double() @ q_rope[b, :, r].double().T).T[:, :, None]
+            p = torch.softmax(sc[..., 0] * scale, dim=-1)  # (G, n)
+            out[b, :, r] = torch.einsum("gn,gnd->gd", p, v[b, :, keys].double())
+    return out
+
+
+LATENT_CASES = [  # (B, H, T, D_c, d_R, page size (None: one page per sequence), cache dtype)
+    (2, 3, 1, 96, 16, 1, "fp32"),
+    (3, 5, 4, 200, 0, 16, "fp32"),
+    (1, 16, 8, 64, 32, None, "fp32"),
+    (2, 1, 2, 512, 32, 7, "fp32"),
+    (2, 12, 1, 256, 32, 16, "int8"),
+    (3, 4, 3, 200, 16, None, "int8"),
+    (2, 6, 1, 96, 32, 16, "bf16"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("B,H,T,Dc,dR,P,store", LATENT_CASES)
+def test_latent_decode_matches_reference(B, H, T, Dc, dR, P, store, dtype):
+    bf16_f64 = dtype == torch.float64 and store == "bf16"  # declined: bf16 pools serve float32 queries only
+    gen = torch.Generator().manual_seed(B * 1000 + H * 10 + T)
+    S = 70
+    c = torch.randn(B, S, Dc, generator=gen, dtype=dtype)
+    kr = torch.randn(B, S, dR, generator=gen, dtype=dtype) if dR else None
+    q = torch.randn(B, H, T, Dc, generator=gen, dtype=dtype)
+    qr = torch.randn(B, H, T, dR, generator=gen, dtype=dtype) if dR else None
+    start = torch.tensor([3 * b for b in range(B)], dtype=torch.int32)  # ragged: own start and end each
+    end = torch.tensor([S - 5 * b for b in range(B)], dtype=torch.int32)
+    scale = 1 / math.sqrt(Dc + dR)
+    pool, table = paged(c, P or S, gen)
+    s = None
+    if store == "int8":
+        pool, s = quantize(pool, torch.int8)
+        c = dequantize(*quantize(c, torch.int8), dtype)  # the values the int8 cache holds
+    elif store == "bf16":
+        pool = pool.to(torch.bfloat16)
+        c = c.to(torch.bfloat16).to(dtype)
+    view = BlockView(pool, table, start, end, P or S, s)
+    rview = None
+    if dR:  # same pages as c_kv: rebuild the RoPE pool with c's block table
+        rpool = torch.zeros(pool.shape[0], P or S, dR, dtype=dtype)
+        for b in range(B):
+            for j in range(S):
+                rpool[table[b, j // (P or S)], j % (P or S)] = kr[b, j]
+        rview = BlockView(rpool, table, start, end, P or S)
+    if bf16_f64:
+        with pytest.raises(KernelUnavailable, match="bfloat16"):
+            kernels.latent_decode(q, qr, view, rview, T, scale, strict=True)
+        return
+    before = kernels.CALLS["latent_cpu"]
+    out = kernels.latent_decode(q, qr, view, rview, T, scale, strict=True)
+    assert kernels.CALLS["latent_cpu"] == before + 1 and out.dtype == dtype and out.shape == (B, H, T, Dc)
+    ref = reference(q.reshape(B, 1, H * T, Dc), c[:, None], c[:, None], start, end, T, scale,
+                    None if qr is None else qr.reshape(B, 1, H * T, dR), kr).view(B, H, T, Dc)  # fmt: skip
+    tol = 1e-12 if dtype == torch.float64 else 2e-5
+    assert (out.double() - ref).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_latent_decode_matches_kvlm_plain_route(dtype):
+    """The contiguous cache (one page per sequence, zero copy) against kvlm's plain latent_attention."""
+    gen = torch.Generator().manual_seed(3)
+    B, H, T, Dc, dR, S = 2, 8, 3, 128, 32, 50
+    c, kr = (
+        torch.randn(B, S, Dc, generator=gen, dtype=dtype),
+        torch.randn(B, S, dR, generator=gen, dtype=dtype),
+    )
+    q, qr = (
+        torch.randn(B, H, T, Dc, generator=gen, dtype=dtype),
+        torch.randn(B, H, T, dR, generator=gen, dtype=dtype),
+    )
+    step = Step.build(torch.zeros(B, T, dtype=torch.long), S - T)
+    plain = latent_attention(q, qr, c, kr, c, step, 0.1)
+    table = torch.arange(B, dtype=torch.int32)[:, None]
+    start, end = torch.zeros(B, dtype=torch.int32), torch.full((B,), S, dtype=torch.int32)
+    got = kernels.latent_decode(q, qr, BlockView(c, table, start, end, S), BlockView(kr, table, start, end, S),
+                                T, 0.1, strict=True)  # fmt: skip
+    assert (got - plain).abs().max().item() < (1e-12 if dtype == torch.float64 else 1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("B,Hq,G,T,D,P,store", [
+    (2, 4, 4, 1, 64, 16, "fp32"),   # MHA
+    (3, 12, 3, 2, 64, 1, "fp32"),   # GQA-3
+    (1, 8, 1, 5, 96, None, "fp32"),  # MQA
+    (2, 6, 2, 1, 40, 7, "int8"),
+    (2, 4, 2, 8, 72, 16, "bf16"),
+])  # fmt: skip
+def test_gqa_decode_matches_reference_and_attend(B, Hq, G, T, D, P, store, dtype):
+    gen = torch.Generator().manual_seed(Hq * 100 + G * 10 + T)
+    S = 45
+    k = torch.randn(B, G, S, D, generator=gen, dtype=dtype)
+    v = torch.randn(B, G, S, D, generator=gen, dtype=dtype)
+    q = torch.randn(B, Hq, T, D, generator=gen, dtype=dtype)
+    start = torch.tensor([2 * b for b in range(B)], dtype=torch.int32)
+    end = torch.tensor([S - 3 * b for b in range(B)], dtype=torch.int32)
+    kp, table = paged(k, P or S, gen)
+    vp = torch.zeros_like(kp)
+    for b in range(B):
+        for j in range(S):
+            vp[table[b, j // (P or S)], :, j % (P or S)] = v[b, :, j]
+    ks = vs = None
+    if store == "int8":
+        (kp, ks), (vp, vs) = quantize(kp, torch.int8), quantize(vp, torch.int8)
+        k, v = dequantize(*quantize(k, torch.int8), dtype), dequantize(*quantize(v, torch.int8), dtype)
+    elif store == "bf16":
+        kp, vp = kp.to(torch.bfloat16), vp.to(torch.bfloat16)
+        k, v = k.to(torch.bfloat16).to(dtype), v.to(torch.bfloat16).to(dtype)
+    kv = BlockView(kp, table, start, end, P or S, ks)
+    vv = BlockView(vp, table, start, end, P or S, vs)
+    if dtype == torch.float64 and store == "bf16":  # declined: bf16 pools serve float32 queries only
+        with pytest.raises(KernelUnavailable, match="bfloat16"):
+            kernels.gqa_decode(q, kv, vv, T, 0.125, strict=True)
+        return
+    out = kernels.gqa_decode(q, kv, vv, T, 0.125, strict=True)
+    r = Hq // G
+    ref = reference(q.reshape(B, G, r * T, D), k, v, start, end, T, 0.125).view(B, Hq, T, D)
+    tol = 1e-12 if dtype == torch.float64 else 2e-5
+    assert (out.double() - ref).abs().max().item() < tol
+    if B == 1 or store != "fp32":
+        return
+    # kvlm's plain attend on the same keys, for the sequences without ragged ends (b = 0: all slots visible)
+    step = Step.build(torch.zeros(1, T, dtype=torch.long), S - T)
+    plain = attend(q[:1], k[:1], v[:1], step, 0.125)
+    assert (out[:1] - plain).abs().max().item() < (1e-12 if dtype == torch.float64 else 1e-5)
+
+
+def test_dispatch_declines_and_strict_raises():
+    B, H, T, D = 1, 2, 1, 16
+    q = torch.randn(B, H, T, D, dtype=torch.float16)
+    pool = torch.randn(1, 8, D)
+    view = BlockView(pool, torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32),
+                     torch.full((1,), 8, dtype=torch.int32), 8)  # fmt: skip
+    assert kernels.latent_decode(q, None, view, None, T, 0.25) is None
+    with pytest.raises(KernelUnavailable, match="float16"):
+        kernels.latent_decode(q, None, view, None, T, 0.25, strict=True)
+    q = torch.randn(B, H, 17, D)  # prefill-sized
+    with pytest.raises(KernelUnavailable, match="17 new tokens"):
+        kernels.latent_decode(q, None, view, None, 17, 0.25, strict=True)
+    q = torch.randn(B, H, T, D, requires_grad=True)
+    with pytest.raises(KernelUnavailable, match="autograd"):
+        kernels.latent_decode(q, None, view, None, T, 0.25, strict=True)
+    with torch.no_grad():
+        assert kernels.latent_decode(q, None, view, None, T, 0.25) is not None
+    fp16_pool = BlockView(pool.half(), view.block_table, view.start, view.end, 8)
+    with pytest.raises(KernelUnavailable, match="c_kv pool of torch.float16"):
+        kernels.latent_decode(q.detach(), None, fp16_pool, None, T, 0.25, strict=True)
+
+
+def _decode(model, prompt, steps, mode="auto"):
+    cache = model.new_cache(batch_size=prompt.shape[0], max_seq_len=prompt.shape[1] + steps)
+    out = [model(prompt, cache=cache, mode=mode)]
+    tok = out[-1][:, -1:].argmax(-1)
+    for _ in range(steps):
+        out.append(model(tok, cache=cache, mode=mode))
+        tok = out[-1][:, -1:].argmax(-1)
+    return torch.cat(out, dim=1)
+
+
+@pytest.mark.parametrize("attention,extra,counter", [
+    ("mla", dict(kv_lora_rank=48, rope_head_dim=8), "latent_cpu"),
+    ("mla", dict(kv_lora_rank=40, rope_head_dim=0), "latent_cpu"),
+    ("gqa", dict(n_kv_head=2), "gqa_cpu"),
+    ("mha", {}, "gqa_cpu"),
+])  # fmt: skip
+def test_model_decode_kernels_on_equals_off(attention, extra, counter, monkeypatch):
+    """Whole-model decoding (prompt of 6 new tokens, then 5 single steps) with the kernels equals the plain path,
+    and the decode layers do call the kernel: n_layer calls per model call (the counter fails if the dispatch
+    silently stops using it)."""
+    torch.manual_seed(0)
+    cfg = tiny_config(attention, **extra)
+    model = build_model(cfg).eval()
+    prompt = torch.randint(0, cfg.vocab_size, (2, 6))
+    with torch.no_grad():
+        before = kernels.CALLS[counter]
+        on = _decode(model, prompt, 5)
+        # 5 steps; the 6-token prefill too for MHA/GQA (6 <= MAX_NEW), while MLA's "auto" rule sends a prefill
+        # into an empty cache down the expand route
+        calls = 5 + (counter == "gqa_cpu")
+        assert kernels.CALLS[counter] - before == cfg.n_layer * calls
+        monkeypatch.setenv(kcpu.ENV, "0")
+        before = sum(kernels.CALLS.values())
+        off = _decode(model, prompt, 5)
+        assert sum(kernels.CALLS.values()) == before  # disabled: not one call
+    assert (on - off).abs().max().item() < 1e-4
+
+
+def test_model_decode_float64_and_padded_batch(monkeypatch):
+    """float64 (the exactness check) with left padding: the kernel starts each sequence at its padding and lets
+    a padding query see its own slot, as the plain mask does."""
+    torch.manual_seed(1)
+    cfg = tiny_config("mla", kv_lora_rank=32, rope_head_dim=8)
+    model = build_model(cfg).to(torch.float64).eval()
+    prompt = torch.randint(0, cfg.vocab_size, (2, 5))
+    outs = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv(kcpu.ENV, flag)
+        cache = model.new_cache(batch_size=2, max_seq_len=12)
+        cache.set_left_padding([0, 2])
+        before = kernels.CALLS["latent_cpu"]
+        with torch.no_grad():
+            a = model(prompt, cache=cache, mode="absorbed")  # the padded prefill too
+            b = model(prompt[:, -1:], cache=cache, mode="absorbed")
+        outs.append((torch.cat([a, b], dim=1), kernels.CALLS["latent_cpu"] - before))
+    (on, calls), (off, _) = outs
+    assert calls == 2 * cfg.n_layer
+    assert (on - off).abs().max().item() < 1e-10
+
+
+def test_paged_int8_cache_decode_uses_kernel(monkeypatch):
+    """The paged, int8 serving cache: the kernel reads the pages and scales in place and equals the plain path
+    (which gathers and dequantizes)."""
+    paged_mod = pytest.importorskip("kvlm.cache.paged")
+    torch.manual_seed(2)
+    cfg = tiny_config("mla", kv_lora_rank=48, rope_head_dim=8)
+    model = build_model(cfg).eval()
+    prompts = [torch.randint(0, cfg.vocab_size, (1, n)) for n in (5, 9)]
+    results = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv(kcpu.ENV, flag)
+        cache = paged_mod.PagedKVCache.for_model(model, cache_tokens=64, page_size=4, kv_dtype="int8")
+        before = kernels.CALLS["latent_cpu"]
+        with torch.no_grad():
+            for i, p in enumerate(prompts):
+                cache.add_sequence(i)
+                model(p, cache=cache.batch([i]), mode="absorbed")
+            tok = torch.tensor([[1], [2]])
+            out = model(tok, cache=cache.batch([0, 1]), mode="absorbed")  # ragged: 5 and 9 cached tokens
+        calls = kernels.CALLS["latent_cpu"] - before
+        results.append((out, calls))
+    (on, calls_on), (off, calls_off) = results
+    assert calls_on == 3 * cfg.n_layer and calls_off == 0
+    assert (on - off).abs().max().item() < 1e-4
+
+
+def test_build_failure_falls_back(monkeypatch):
+    """No compiler / a failed build: ready() is False and decoding runs the plain path."""
+    monkeypatch.setattr(kcpu, "_state", {"error": "CalledProcessError: no compiler"})
+    q = torch.randn(1, 2, 1, 16)
+    assert not kernels.ready(q, 1)
+    with pytest.raises(KernelUnavailable, match="did not build.*no compiler"):
+        kernels.gqa_decode(q, *[BlockView(torch.randn(1, 2, 4, 16), torch.zeros(1, 1, dtype=torch.int32),
+                                          torch.zeros(1, dtype=torch.int32), torch.full((1,), 4, dtype=torch.int32),
+                                          4)] * 2, 1, 0.25, strict=True)  # fmt: skip
+    cfg = tiny_config("gqa", n_kv_head=2)
+    model = build_model(cfg).eval()
+    before = sum(kernels.CALLS.values())
+    with torch.no_grad():
+        _decode(model, torch.randint(0, cfg.vocab_size, (1, 4)), 2)
+    assert sum(kernels.CALLS.values()) == before
+
+
+@pytest.mark.parametrize("attention,extra", [("mla", dict(kv_lora_rank=48, rope_head_dim=8)), ("gqa", {})])
+def test_flop_count_sees_the_kernels(attention, extra, monkeypatch):
+    """kvlm bench's FLOP count (torch's counter, blind to the extension) includes the kernels' FLOPs: a decode
+    step counts the same with kernels on as with the plain path (T = 1: every cached key is visible)."""
+    from kvlm.bench.flops import CountFlops
+
+    cfg = tiny_config(attention, **extra)
+    model = build_model(cfg).eval()
+    counts = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv(kcpu.ENV, flag)
+        cache = model.new_cache(batch_size=2, max_seq_len=16)
+        with torch.no_grad():
+            model(torch.randint(0, cfg.vocab_size, (2, 9)), cache=cache)
+            with CountFlops() as f:
+                model(torch.randint(0, cfg.vocab_size, (2, 1)), cache=cache)
+        counts.append(f.total)
+    assert counts[0] == counts[1] > 0
+
+
+def test_out_of_range_slots_or_pages_are_an_error():
+    """A block table or end past the pool is one clear error, never a read outside the pool."""
+    pool = torch.randn(2, 4, 16)
+    q = torch.randn(1, 2, 1, 16)
+    ok = dict(block_table=torch.tensor([[0, 1]], dtype=torch.int32), start=torch.zeros(1, dtype=torch.int32))
+    too_long = BlockView(pool, end=torch.tensor([9], dtype=torch.int32), page_size=4, **ok)
+    with pytest.raises(RuntimeError, match="do not fit its block table"):
+        kernels.latent_decode(q, None, too_long, None, 1, 0.25)
+    bad_page = BlockView(pool, torch.tensor([[0, 5]], dtype=torch.int32), ok["start"],
+                         torch.tensor([8], dtype=torch.int32), 4)  # fmt: skip
+    with pytest.raises(RuntimeError, match="entry 1 = 5 is not a page"):
+        kernels.latent_decode(q, None, bad_page, None, 1, 0.25)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_sequence_splits_merge_exactly(threads):
+    """Batch 1 splits the key axis over the threads and merges by log-sum-exp: the same result, float64."""
+    gen = torch.Generator().manual_seed(5)
+    S, D = 3000, 64
+    c = torch.randn(1, S, D, generator=gen, dtype=torch.float64)
+    q = torch.randn(1, 4, 2, D, generator=gen, dtype=torch.float64)
+    view = BlockView(c, torch.zeros(1, 1, dtype=torch.int32), torch.tensor([7], dtype=torch.int32),
+                     torch.tensor([S], dtype=torch.int32), S)  # fmt: skip
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert kernels._splits(1, view) == threads  # 3000 keys: at least 512 per split
+        out = kernels.latent_decode(q, None, view, None, 2, 0.125, strict=True)
+    finally:
+        torch.set_num_threads(before)
+    ref = reference(q.reshape(1, 1, 8, D), c[:, None], c[:, None], view.start, view.end, 2, 0.125)
+    assert (out.reshape(1, 1, 8, D) - ref).abs().max().item() < 1e-12
