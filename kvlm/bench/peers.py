@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 
 from kvlm.attention import get_attention_class
+from kvlm.interop import deepseek_v3, llama
+from kvlm.interop.deepseek_v3 import FormatError
 from kvlm.model import KVLM
 
 
@@ -118,50 +120,19 @@ class LlamaPeer(Peer):
 def _llama_peer(model: KVLM) -> Peer:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = model.cfg
-    hf_cfg = LlamaConfig(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.d_model,
-        intermediate_size=cfg.ffn_dim,
-        num_hidden_layers=cfg.n_layer,
-        num_attention_heads=cfg.n_head,
-        num_key_value_heads=cfg.n_kv_head,
-        head_dim=cfg.head_dim,
-        max_position_embeddings=cfg.max_seq_len,
-        rms_norm_eps=cfg.norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-        tie_word_embeddings=cfg.tie_embeddings,
-        attention_bias=cfg.bias,
-        mlp_bias=cfg.bias,
-    )
-    hf = LlamaForCausalLM(hf_cfg)
-    names = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj"}
-    mlp = {"w1": "gate_proj", "w2": "up_proj", "wo": "down_proj"}
-    state = {}
-    for key, value in model.state_dict().items():
-        state[_llama_key(key, names, mlp)] = value
+    hf_cfg, state = _exported(llama, model)
+    hf = LlamaForCausalLM(LlamaConfig(**hf_cfg))
     _load(hf, state)
     return LlamaPeer("transformers LlamaForCausalLM", hf)
 
 
-def _llama_key(key: str, attn_names: dict[str, str], mlp_names: dict[str, str]) -> str:
-    if key == "embed.weight":
-        return "model.embed_tokens.weight"
-    if key == "norm.weight":
-        return "model.norm.weight"
-    if key == "lm_head.weight":
-        return key
-    parts = key.split(".")  # layers.{i}.{sub}.{name}.{weight|bias}
-    i, sub = parts[1], parts[2]
-    if sub == "attn_norm":
-        return f"model.layers.{i}.input_layernorm.weight"
-    if sub == "mlp_norm":
-        return f"model.layers.{i}.post_attention_layernorm.weight"
-    if sub == "attn":
-        return f"model.layers.{i}.self_attn.{attn_names[parts[3]]}.{parts[4]}"
-    if sub == "mlp":
-        return f"model.layers.{i}.mlp.{mlp_names[parts[3]]}.{parts[4]}"
-    raise PeerUnavailable(f"kvlm weight {key!r} has no place in the transformers model")
+def _exported(fmt, model: KVLM) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The config and weights ``kvlm export-hf --format`` writes for ``model`` (fmt: kvlm.interop.llama or
+    kvlm.interop.deepseek_v3); an option the format cannot hold means there is no peer."""
+    try:
+        return fmt.hf_config(model.cfg), fmt.to_hf_state(model.cfg, model.state_dict())
+    except FormatError as e:
+        raise PeerUnavailable(str(e)) from e
 
 
 def _load(hf: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -193,79 +164,17 @@ class DeepseekV3Peer(Peer):
 
 
 def _deepseek_v3_peer(model: KVLM) -> Peer:
-    """DeepseekV3ForCausalLM with every layer a dense SwiGLU (first_k_dense_replace = n_layer, no experts).
-
-    Weight layout (kvlm -> transformers), the same names and layouts but for RoPE rows: wq_a -> q_a_proj; wq_b
-    ([W^UQ_i; W^QR_i] per head) -> q_b_proj (or wq -> q_proj); wkv_a ([W^DKV; W^KR]) -> kv_a_proj_with_mqa;
-    wkv_b ([W^UK_i; W^UV_i] per head) -> kv_b_proj; wo -> o_proj. transformers' default ``rope_interleave=True`` rotates the pairs (x_2j, x_2j+1) and
-    returns them half-split, so the rows that make q^R and k^R are interleaved ([0, d/2, 1, d/2 + 1, ...]):
-    the roped outputs (and the cached k^R) are then exactly kvlm's half-split ones."""
+    """DeepseekV3ForCausalLM with every layer a dense SwiGLU, holding the weights of ``kvlm export-hf --format
+    deepseek-v3`` (kvlm.interop.deepseek_v3: RoPE rows interleaved, kvlm's latent-norm eps and scalings folded)."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     cfg = model.cfg
-    _require(cfg.rope_kv_heads == 1, "DeepseekV3 has one shared RoPE key (rope_kv_heads must be 1)")
-    _require(cfg.kv_latent == "joint", "separate K and V latents have no DeepseekV3 equivalent")
+    # the export folds these into the weights; a peer stands for a stock DeepSeek model, which has neither
     _require(cfg.latent_norm and not cfg.latent_scaling, "DeepseekV3 always RMS-normalises latents, unscaled")
-    _require(not cfg.bias, "DeepseekV3 has no biases on its up-projections")
-    h, dh, dr, dc, dq = cfg.n_head, cfg.head_dim, cfg.rope_head_dim, cfg.kv_lora_rank, cfg.q_lora_rank
-    hf_cfg = DeepseekV3Config(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.d_model,
-        intermediate_size=cfg.ffn_dim,
-        num_hidden_layers=cfg.n_layer,
-        num_attention_heads=h,
-        num_key_value_heads=h,
-        q_lora_rank=dq or None,
-        kv_lora_rank=dc,
-        qk_nope_head_dim=dh,
-        qk_rope_head_dim=dr,
-        v_head_dim=dh,
-        first_k_dense_replace=cfg.n_layer,  # every layer dense: no MoE
-        n_routed_experts=8,
-        n_group=1,
-        topk_group=1,
-        num_experts_per_tok=1,
-        num_mtp_layers=0,
-        max_position_embeddings=cfg.max_seq_len,
-        rms_norm_eps=cfg.norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
-        rope_interleave=True,
-        tie_word_embeddings=cfg.tie_embeddings,
-        attention_bias=False,
-    )
-    hf = DeepseekV3ForCausalLM(hf_cfg)
-    interleave = torch.stack([torch.arange(dr // 2), torch.arange(dr // 2) + dr // 2], dim=1).flatten()
-    state = {}
-    for key, value in model.state_dict().items():
-        if ".attn." not in key:
-            state[_llama_key(key, {}, {"w1": "gate_proj", "w2": "up_proj", "wo": "down_proj"})] = value
-    for i, block in enumerate(model.layers):
-        a, pre = block.attn, f"model.layers.{i}.self_attn."
-        # kvlm's latent layout is DeepSeek's (kvlm.attention.latent); only the RoPE rows are permuted
-        if dq:
-            state[pre + "q_a_proj.weight"] = a.wq_a.weight
-            state[pre + "q_a_layernorm.weight"] = a.q_norm.weight
-            state[pre + "q_b_proj.weight"] = _interleave_rope_rows(a.wq_b.weight, h, dh, interleave)
-        else:
-            state[pre + "q_proj.weight"] = _interleave_rope_rows(a.wq.weight, h, dh, interleave)
-        w_kv_a = a.wkv_a.weight
-        state[pre + "kv_a_proj_with_mqa.weight"] = torch.cat([w_kv_a[:dc], w_kv_a[dc:][interleave]])
-        state[pre + "kv_a_layernorm.weight"] = a.kv_norm.weight
-        state[pre + "kv_b_proj.weight"] = a.wkv_b.weight  # rows of head i: [W^UK_i; W^UV_i]
-        state[pre + "o_proj.weight"] = a.wo.weight
-        # transformers builds the latent norms with eps 1e-6 whatever the config says; use kvlm's
-        attn = hf.model.layers[i].self_attn
-        for norm in (attn.kv_a_layernorm, attn.q_a_layernorm):
-            if norm is not None:
-                norm.variance_epsilon = cfg.norm_eps
+    hf_cfg, state = _exported(deepseek_v3, model)
+    hf = DeepseekV3ForCausalLM(DeepseekV3Config(**hf_cfg))
     _load(hf, state)
     return DeepseekV3Peer("transformers DeepseekV3ForCausalLM", hf)
-
-
-def _interleave_rope_rows(w: torch.Tensor, h: int, dh: int, interleave: torch.Tensor) -> torch.Tensor:
-    """A query projection whose rows of head i are [q^C_i (d_h); q^R_i], with q^R_i's rows interleaved."""
-    w = w.view(h, -1, w.shape[-1])
-    return torch.cat([w[:, :dh], w[:, dh:][:, interleave]], dim=1).flatten(0, 1)
 
 
 # the transformers model_type a mechanism names as its ``hf_peer`` -> the builder of that peer
