@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 
-from kvlm.attention.base import Linear
 from kvlm.bench import make_plan, run
 from kvlm.bench.measure import fill_cache
 from kvlm.model import build_model
@@ -71,6 +70,18 @@ def _interleaved(calls: dict, reps: int) -> dict:
     return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
 
 
+def _packs(model) -> dict:
+    """Every module's packed decode copies (Linear's ``_packed``, ``GroupPacking``'s groups), to swap in and out."""
+    keys = ("_packed", "_decode_groups")
+    return {m: {k: m.__dict__[k] for k in keys if k in m.__dict__} for m in model.modules()}
+
+
+def _swap_in(packs: dict, on: bool = True) -> None:
+    for m, state in packs.items():
+        for k, v in state.items():
+            m.__dict__[k] = v if on else ({} if k == "_decode_groups" else None)
+
+
 def _model(spec_full, spec_quick, context, quick):
     from kvlm.bench.plan import parse_variant
 
@@ -100,18 +111,16 @@ def _multi_token_batch(model, cfg, batch, context, quick):
     cache = model.new_cache(batch, context + 16)
     fill_cache(cache, context, cfg.vocab_size)
     calls = {}
-    linears = [m for m in model.modules() if isinstance(m, Linear)]
     for T in (1, 2, 4, 8, 16):
         tok = torch.randint(0, cfg.vocab_size, (batch, T))
         # weights packed for the call's B T rows (KVLM.pack_for_decode), except below 4 rows where it does not pay
         model.pack_for_decode(batch * T if batch * T >= 4 else None)
-        packs = [m._packed for m in linears]
+        packs = _packs(model)
         for mode in ("auto", "expand") if T in (1, 4, 16) else ("auto",):
             trace: list = []
 
             def call(tok=tok, mode=mode, trace=trace, cache=cache, packs=packs):
-                for m, p in zip(linears, packs):
-                    m._packed = p
+                _swap_in(packs)
                 trace.clear()
                 model(tok, cache=cache, mode=mode, trace=trace)  # logits at every new position: verification
                 cache.length = context  # roll back: the next call verifies against the same cache
@@ -143,11 +152,10 @@ def weights_packed(threads, quick):
                 tok = torch.randint(0, cfg.vocab_size, (batch, 1))
 
                 model.pack_for_decode(batch)  # once; the calls below swap the packed copies in and out
-                packs = {m: m._packed for m in model.modules() if isinstance(m, Linear)}
+                packs = _packs(model)
 
                 def step(packed, tok=tok, cache=cache, model=model, packs=packs):
-                    for m, p in packs.items():
-                        m._packed = p if packed else None
+                    _swap_in(packs, packed)
                     model(tok, cache=cache, last_only=True)
                     cache.length = context
 

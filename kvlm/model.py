@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvlm.attention import Attention, GateEmbedding, Step, get_attention_class
-from kvlm.attention.base import Linear
+from kvlm.attention.base import GroupPacking, Linear
 from kvlm.cache import CacheError, KVCache
 from kvlm.config import ModelConfig
 
@@ -42,10 +42,12 @@ def make_norm(cfg: ModelConfig, dim: int) -> nn.Module:
     return RMSNorm(dim, cfg.norm_eps)
 
 
-class SwiGLU(nn.Module):
-    """O = (SiLU(H W1) * (H W2)) W_O (mlra.md Appendix D)."""
+class SwiGLU(GroupPacking):
+    """O = (SiLU(H W1) * (H W2)) W_O (mlra.md Appendix D). At decode with packed weights (``pack_for_decode``)
+    W1 and W2 run as one GEMM [W1; W2] (``GroupPacking``): one weight stream and one call instead of two."""
 
     column_parallel = ("w1", "w2")  # split by output rows under tensor parallelism (Megatron); W_O by input
+    packed_groups = (("w1", "w2"),)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -59,7 +61,9 @@ class SwiGLU(nn.Module):
         return [self.wo]
 
     def forward(self, x):
-        return self.dropout(self.wo(F.silu(self.w1(x)) * self.w2(x)))
+        gate_up = self.group_outputs(("w1", "w2"), x)
+        a, b = gate_up if gate_up is not None else (self.w1(x), self.w2(x))
+        return self.dropout(self.wo(F.silu(a) * b))
 
 
 class GeluMLP(nn.Module):
@@ -155,13 +159,20 @@ class KVLM(nn.Module):
     def pack_for_decode(self, rows: int | None) -> int:
         """Pack every weight GEMM and the LM head into MKL's packed layout for steps of ``rows`` = batch x new
         tokens rows (``Linear.pack_for_decode``); rows=None drops the packed copies. Other row counts keep the
-        unpacked path. Returns how many weights were packed (0 off CPU float32 / without MKL)."""
+        unpacked path. Linears that read the same input and run as one GEMM at decode (SwiGLU's W1 and W2, MHA's
+        W^Q, W^K, W^V: ``GroupPacking``) are packed together instead of one by one. Returns how many weights were
+        packed (0 off CPU float32 / without MKL)."""
+        groups = [g for g in self.modules() if isinstance(g, GroupPacking)]
+        grouped = {id(m) for g in groups for m in g.pack_for_decode(rows)}
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         if rows is None:
             for m in linears:
                 m.unpack()
             return 0
-        return sum(m.pack_for_decode(rows) for m in linears)
+        for m in linears:
+            if id(m) in grouped:
+                m.unpack()  # runs inside its group's packed GEMM: no second packed copy
+        return len(grouped) + sum(m.pack_for_decode(rows) for m in linears if id(m) not in grouped)
 
     # --- forward ------------------------------------------------------------------------------
     def forward(

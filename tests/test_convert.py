@@ -202,8 +202,15 @@ def test_import_hf_cli(tmp_path, capsys):
     hf.save_pretrained(tmp_path / "llama")
     rc = main(["import-hf", str(tmp_path / "llama"), str(tmp_path / "ck"), "--mla", "--json"])
     assert rc == 0
-    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    out, err = capsys.readouterr()
+    result = json.loads(out.strip().splitlines()[-1])
     assert result["attention"] == "mla" and result["exact"] is True
+    # kvlm's progress: log lines (no terminal here), not \r frames (transformers' own loading bars are tqdm's)
+    assert "\nconvert to MLA: done, 2/2 layer (100 %)" in err and "\rconvert" not in err, err
+    rc = main(
+        ["import-hf", str(tmp_path / "llama"), str(tmp_path / "ck"), "--mla", "--force", "--no-progress"]
+    )
+    assert rc == 0 and "convert to MLA" not in capsys.readouterr().err
     mla, _, meta = load_checkpoint(tmp_path / "ck")
     x = tokens()
     with torch.no_grad():

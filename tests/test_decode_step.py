@@ -4,6 +4,8 @@ the route of multi-token decode (``LatentAttention.prefers_absorbed``)."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -215,3 +217,110 @@ def test_generate_packs_by_default_only_where_it_pays(monkeypatch):
     generate(model, [[1, 2]] * 4, 8)  # too few steps to repay packing
     generate(model, [[1, 2]] * 2, 16)  # too few rows
     assert calls == []
+
+
+def _spy_groups(monkeypatch) -> list[bool]:
+    """Record, for each call of a packed group, whether it ran the fused product (True) or declined (False)."""
+    from kvlm.attention.base import PackedGroup
+
+    seen: list[bool] = []
+    orig = PackedGroup.outputs
+
+    def spy(self, linears, x):
+        y = orig(self, linears, x)
+        seen.append(y is not None)
+        return y
+
+    monkeypatch.setattr(PackedGroup, "outputs", spy)
+    return seen
+
+
+@needs_mkl
+@pytest.mark.parametrize("attention", ["mha", "gqa", "mla"])
+def test_fused_projections_match_unfused(attention, monkeypatch):
+    """With packed weights, SwiGLU's W1/W2 and MHA/GQA's W^Q/W^K/W^V run as one GEMM each (one weight stream);
+    the step gives what the unfused unpacked path gives, in float32 and with the unfused float64 path."""
+    torch.manual_seed(0)
+    extra = {"gqa": dict(n_kv_head=2), "mla": dict(kv_lora_rank=32, rope_head_dim=8)}.get(attention, {})
+    model = build_model(_cfg(attention, **extra)).eval().prepare_for_inference()
+    B = 4
+    prompt, step = torch.randint(0, 97, (B, 9)), torch.randint(0, 97, (B, 1))
+    seen = _spy_groups(monkeypatch)
+
+    def decode(m):
+        cache = m.new_cache(B, 32)
+        with torch.inference_mode():
+            m(prompt, cache=cache)
+            return m(step, cache=cache)
+
+    plain = decode(model)
+    assert not any(seen)  # not packed: no group ran
+    model.pack_for_decode(B)
+    fused = decode(model)
+    groups_per_layer = 2 if attention in ("mha", "gqa") else 1
+    assert seen.count(True) == groups_per_layer * model.cfg.n_layer  # the decode step (the prefill declines)
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+    model.pack_for_decode(None)
+    reference = decode(copy.deepcopy(model).double().prepare_for_inference())  # float64 never packs
+    assert seen.count(True) == groups_per_layer * model.cfg.n_layer
+    torch.testing.assert_close(fused.double(), reference, rtol=1e-4, atol=1e-5)
+
+
+@needs_mkl
+def test_fused_group_equals_its_packed_parts_and_goes_stale():
+    """One packed GEMM [W1; W2] gives each part's own packed product; a weight written after packing (training,
+    a load) makes the group decline, so the unfused path runs with the new weight."""
+    from kvlm.model import SwiGLU
+
+    torch.manual_seed(0)
+    mlp = SwiGLU(_cfg("mha", bias=True)).eval()
+    for m in (mlp.w1, mlp.w2):
+        torch.nn.init.normal_(m.bias)
+    x = torch.randn(8, 1, 64)
+    assert mlp.pack_for_decode(8) == [mlp.w1, mlp.w2]
+    with torch.no_grad():
+        a, b = mlp.group_outputs(("w1", "w2"), x)
+        for part, lin in ((a, mlp.w1), (b, mlp.w2)):
+            lin.pack_for_decode(8)
+            torch.testing.assert_close(part, lin(x), rtol=1e-6, atol=1e-6)  # packed alone
+            torch.testing.assert_close(part, F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+            lin.unpack()
+        assert mlp.group_outputs(("w1", "w2"), x[:4]) is None  # other rows: unfused
+        mlp.w1.weight.mul_(2)
+        assert mlp.group_outputs(("w1", "w2"), x) is None  # stale
+        want = F.linear(F.silu(F.linear(x, mlp.w1.weight, mlp.w1.bias)) * F.linear(x, mlp.w2.weight, mlp.w2.bias),
+                        mlp.wo.weight, mlp.wo.bias)  # fmt: skip
+        torch.testing.assert_close(mlp(x), want, rtol=1e-5, atol=1e-5)
+    mlp.pack_for_decode(8)
+    mlp.train()
+    assert mlp.group_outputs(("w1", "w2"), x) is None  # train(True) drops the packed copy
+    assert SwiGLU(_cfg("mha")).double().pack_for_decode(8) == []  # float64: never packed
+
+
+@needs_mkl
+def test_lm_head_timing_runs_the_packed_head_where_the_step_does():
+    """kvlm bench's per-operation LM head time runs the product the decode step runs: packed at batch 4-16 on
+    CPU float32 (bench_decode packs there), unpacked below; the head's own packing is left as it was."""
+    from kvlm.bench.opstime import lm_head_ms
+
+    torch.manual_seed(0)
+    model = build_model(_cfg("gqa", n_kv_head=2)).eval()
+    seen = []
+    orig = Linear._packed_for
+
+    def spy(self, x, rows):
+        y = orig(self, x, rows)
+        seen.append(y is not None)
+        return y
+
+    Linear._packed_for = spy
+    try:
+        assert lm_head_ms(model, 8, repeats=2) > 0
+        packed_calls = sum(seen)
+        seen.clear()
+        lm_head_ms(model, 2, repeats=2)
+    finally:
+        Linear._packed_for = orig
+    assert packed_calls == 3  # warm-up + 2 timed calls, all packed
+    assert not any(seen)  # batch 2: the step does not pack, nor does its timing
+    assert model.lm_head._packed is None  # restored

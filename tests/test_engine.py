@@ -1,13 +1,21 @@
 """The serving engine (kvlm.serve.Engine): greedy output equal to kvlm.generate whatever the page size, chunking,
-batching and preemption; abort frees pages; prefix sharing; seeded sampling independent of the batch; stop
-rules; logprobs; clear errors for bad requests."""
+batching, mixing of decodes and prompt chunks in one forward, and preemption; the packed one-token-row batch
+against each sequence alone (float64, every mechanism); abort frees pages; prefix sharing; batched sampling
+(top-k / top-p against a plain reference, draws that follow the distribution, seeded requests independent
+of the batch); stop rules; logprobs; clear errors for bad requests."""
+
+import math
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import all_variants, tiny_config
 
 from kvlm import build_model, generate
+from kvlm.cache import PagedKVCache
+from kvlm.cache.paged_batch import PackedBatch
 from kvlm.serve import Engine, SamplingParams
+from kvlm.serve.engine import MIX_KEYS, plan_step
+from kvlm.serve.sampling import distributions, logprobs_batch, sample_batch
 
 GREEDY = dict(temperature=0.0)
 
@@ -308,3 +316,303 @@ def test_prefill_chunks_of_several_requests_run_as_one_forward(models):
     assert groups == [[100, 90, 8, 8], [3, 3, 3]]
     groups = [[n for _, n in g] for g in group_chunks([(R(), n) for n in (16, 16, 9, 9, 4)])]
     assert groups == [[16, 16], [9, 9], [4]]  # at most 16 columns (the kernels' calls): equal lengths only
+
+
+# --- one forward per step: decodes and prompt chunks as one-token rows (PackedBatch) ------------------------
+
+
+def _forwards(model):
+    """Record every forward's (tokens shape, cache view type); returns (calls, hook handle)."""
+    calls = []
+
+    def hook(module, args, kwargs):
+        calls.append((tuple(args[0].shape), type(kwargs.get("cache")).__name__))
+
+    return calls, model.register_forward_pre_hook(hook, with_kwargs=True)
+
+
+def _one_per_mechanism():
+    seen, out = set(), []
+    for param in all_variants():
+        if param.values[0] not in seen:
+            seen.add(param.values[0])
+            out.append(param)
+    return out
+
+
+PACK_CACHED = (6, 0, 17, 9)  # tokens each sequence holds before the packed call
+PACK_NEW = (1, 7, 1, 3)  # its new tokens in the call: decodes and prompt chunks
+
+
+@pytest.mark.parametrize("attention,overrides", _one_per_mechanism())
+def test_packed_batch_equals_each_sequence_alone(attention, overrides):
+    """Decodes and chunks of different sequences as one call of one-token rows give, in float64, every new
+    token's logits of each sequence run alone, and leave caches from which the next decodes agree."""
+    _check_packed(attention, overrides, None)
+
+
+@pytest.mark.parametrize("attention", ["mha", "mla"])
+def test_packed_batch_quantized(attention):
+    _check_packed(attention, {}, "int8")
+
+
+def _check_packed(attention, overrides, kv_dtype):
+    torch.manual_seed(0)
+    model = build_model(tiny_config(attention, **overrides)).double().eval().prepare_for_inference()
+    g = torch.Generator().manual_seed(3)
+    V = model.cfg.vocab_size
+    cached = [torch.randint(0, V, (n,), generator=g) for n in PACK_CACHED]
+    new = [torch.randint(0, V, (n,), generator=g) for n in PACK_NEW]
+    caches = []
+    with torch.inference_mode():
+        for _ in range(2):
+            cache = PagedKVCache.for_model(model, cache_tokens=256, page_size=4, kv_dtype=kv_dtype)
+            for i, c in enumerate(cached):
+                cache.add_sequence(i)
+                if len(c):
+                    model(c[None], cache=cache.batch([i]))
+            caches.append(cache)
+        alone, packed = caches
+        want = torch.cat([model(x[None], cache=alone.batch([i]))[0] for i, x in enumerate(new)])
+        view = PackedBatch(packed, [0, 1, 2, 3], list(PACK_NEW))
+        got = model(torch.cat(new)[:, None], cache=view)[:, 0]
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+        assert view.last_rows == [0, 7, 8, 11]
+        for i in range(4):
+            assert packed.seq_len(i) == alone.seq_len(i) == PACK_CACHED[i] + PACK_NEW[i]
+            assert packed.seqs[i].tokens == alone.seqs[i].tokens  # the prefix keys hash the same tokens
+        step = torch.randint(0, V, (4, 1), generator=g)
+        torch.testing.assert_close(
+            model(step, cache=packed.batch([0, 1, 2, 3])),
+            model(step, cache=alone.batch([0, 1, 2, 3])),
+            rtol=1e-10,
+            atol=1e-10,
+        )
+
+
+@pytest.mark.parametrize("name", ["mla", "mha", "eg-mla"])
+def test_mixed_steps_run_one_forward_and_equal_generate(models, name):
+    """A step with decodes and prompt chunks is ONE forward (a packed batch of one-token rows); the greedy
+    output equals generate and the same engine without mixing (mix_tokens=0: two forwards a step)."""
+    model = models[name]
+    prompts = _prompts(3, lengths=(5, 11, 2))
+    want = [generate(model, p, 8, **GREEDY) for p in prompts]
+    params = SamplingParams(max_tokens=8, **GREEDY)
+    results = {}
+    for mix in (64, 0):
+        engine = Engine(model, cache_tokens=512, page_size=4, prefill_chunk=8, mix_tokens=mix)
+        calls, hook = _forwards(model)
+        try:
+            ids = [engine.add_request(prompts[0], params)]
+            got = {ids[0]: engine.step()[0].new_token_ids}  # a's prompt alone
+            assert calls == [((1, 5), "PagedBatch")]
+            ids += [engine.add_request(p, params) for p in prompts[1:]]
+            got.update({i: [] for i in ids[1:]})
+            per_step = []
+            while engine.has_unfinished():
+                del calls[:]
+                for o in engine.step():
+                    got[o.request_id] += o.new_token_ids
+                per_step.append(list(calls))
+        finally:
+            hook.remove()
+        assert [got[i] for i in ids] == want
+        results[mix] = per_step
+    # a decodes while b's prompt (11 tokens) goes in as 8 + 3 and c's (2) beside the 3
+    assert results[64][:2] == [[((9, 1), "PackedBatch")], [((6, 1), "PackedBatch")]]
+    assert results[0][:2] == [  # chunks of <= 16 tokens and different lengths are never padded together
+        [((1, 1), "PagedBatch"), ((1, 8), "PagedBatch")],
+        [((1, 1), "PagedBatch"), ((1, 3), "PagedBatch"), ((1, 2), "PagedBatch")],
+    ]
+    assert all(len(step) == 1 for step in results[64])
+
+
+def test_greedy_equals_generate_through_mixed_steps_and_preemption(models):
+    """Requests arriving while others decode, chunked prompts and preemption in a tiny pool: every schedule
+    runs mixed forwards and the outputs still equal generate (float64)."""
+    model = models["mla"]
+    prompts = _prompts()
+    want = [generate(model, p, 12, **GREEDY) for p in prompts]
+    engine = Engine(model, cache_tokens=48, page_size=4, prefill_chunk=8)  # 12 pages for 5 requests
+    calls, hook = _forwards(model)
+    params = SamplingParams(max_tokens=12, **GREEDY)
+    try:
+        ids, got = [], {}
+        for p in prompts:  # one new request every other step
+            ids.append(engine.add_request(p, params))
+            got[ids[-1]] = []
+            for _ in range(2):
+                for o in engine.step():
+                    got[o.request_id] += o.new_token_ids
+        while engine.has_unfinished():
+            for o in engine.step():
+                got[o.request_id] += o.new_token_ids
+    finally:
+        hook.remove()
+    assert [got[i] for i in ids] == want
+    assert engine.stats()["preemptions"] > 0 and engine.stats()["pages_used"] == 0
+    assert sum(kind == "PackedBatch" for _, kind in calls) >= 3
+
+
+def test_plan_step_mixes_when_it_saves_a_forward():
+    class R:
+        def __init__(self, computed=0):
+            self.computed = computed
+
+    def plan(counts, mix=64, computed=0):
+        packed, groups = plan_step([(R(computed), n) for n in counts], mix)
+        return sorted(n for _, n in packed), [sorted(n for _, n in g) for g in groups]
+
+    # decodes take the shortest chunks while their tokens fit mix_tokens; the rest keep padded forwards
+    assert plan([1, 1, 60, 3, 100, 5]) == ([1, 1, 3, 5], [[60, 100]])
+    assert plan([1, 1, 32]) == ([1, 1, 32], [])
+    assert plan([1, 1, 32], mix=0) == ([1, 1], [[32]])
+    assert plan([1, 1, 65]) == ([1, 1], [[65]])
+    # a chunk deep in a long prompt reads many keys per row: its own (prefill) forward
+    assert plan([1, 8], computed=MIX_KEYS // 8) == ([1], [[8]])
+    # no decodes: packed only when that saves a forward
+    assert plan([3, 5, 7]) == ([3, 5, 7], [])  # three unpadded calls otherwise
+    assert plan([32] * 8) == ([], [[32] * 8])  # one padded prefill forward already
+    assert plan([20]) == ([], [[20]])
+
+
+# --- batched sampling -----------------------------------------------------------------------------------
+
+
+def _reference_distribution(row, p):
+    """Temperature, then top-k (ties with the k-th kept), then top-p on what top-k kept (the token that
+    crosses top_p kept), written out plainly in Python."""
+    z = [v / p.temperature for v in row]
+    keep = list(range(len(z)))
+    if 0 < p.top_k < len(z):
+        kth = sorted(z, reverse=True)[p.top_k - 1]
+        keep = [i for i in keep if z[i] >= kth]
+    m = max(z[i] for i in keep)
+    w = {i: math.exp(z[i] - m) for i in keep}
+    total = sum(w.values())
+    prob = {i: w[i] / total for i in keep}
+    if p.top_p < 1:
+        mass, kept = 0.0, []
+        for i in sorted(keep, key=lambda i: -prob[i]):
+            if mass >= p.top_p:
+                break
+            kept.append(i)
+            mass += prob[i]
+        keep = kept
+    total = sum(w[i] for i in keep)
+    return [w[i] / total if i in keep else 0.0 for i in range(len(z))]
+
+
+SAMPLING_CASES = [
+    dict(temperature=1.0),
+    dict(temperature=0.5, top_k=3),
+    dict(temperature=2.0, top_k=1),
+    dict(temperature=1.0, top_p=0.5),
+    dict(temperature=0.7, top_k=5, top_p=0.8),
+    dict(temperature=1.3, top_k=4),  # the 4th value is tied with the 5th: both stay
+    dict(temperature=1.0, top_k=12, top_p=0.999),
+    dict(temperature=1.0, top_p=0.05),  # only the most likely token
+]
+
+
+def _fixed_logits():
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(len(SAMPLING_CASES), 12, generator=g, dtype=torch.float64) * 2
+    row = logits[5].sort(descending=True).values
+    logits[5, logits[5] == row[4]] = float(row[3])  # a tie at the top-k boundary
+    return logits
+
+
+def test_top_k_top_p_match_a_plain_reference():
+    logits = _fixed_logits()
+    params = [SamplingParams(**c) for c in SAMPLING_CASES]
+    got = distributions(logits, params)
+    for b, p in enumerate(params):
+        want = _reference_distribution(logits[b].tolist(), p)
+        assert got[b].tolist() == pytest.approx(want, abs=1e-12), SAMPLING_CASES[b]
+    assert (got[5] > 0).sum() == 5 and (got[2] > 0).sum() == 1 and (got[7] > 0).sum() == 1
+
+
+def test_sampled_tokens_follow_the_distribution():
+    """5000 draws per setting (in batches of 500 rows, each with its own generator) match the filtered
+    probabilities (a frequency's standard error is at most 0.007) and never pick a token the filters removed."""
+    logits = _fixed_logits()
+    params = [SamplingParams(**c) for c in SAMPLING_CASES]
+    want = distributions(logits, params)
+    counts = torch.zeros_like(want)
+    for b, p in enumerate(params):
+        gens = [torch.Generator().manual_seed(1000 * b + i) for i in range(500)]
+        for _ in range(10):
+            for t in sample_batch(logits[b].expand(500, -1), [p] * 500, gens):
+                counts[b, t] += 1
+    freq = counts / counts.sum(-1, keepdim=True)
+    assert (counts[want == 0] == 0).all()
+    assert (freq - want).abs().max() < 0.03
+
+
+def test_sampling_rows_are_independent_of_the_batch():
+    """A seeded row draws the same tokens alone and among other rows (greedy and sampled, other settings)."""
+    logits = _fixed_logits()
+    params = [SamplingParams(**c) for c in SAMPLING_CASES]
+    alone = []
+    for b, p in enumerate(params):
+        g = torch.Generator().manual_seed(b)
+        alone.append([sample_batch(logits[b : b + 1], [p], [g])[0] for _ in range(30)])
+    greedy = SamplingParams(temperature=0.0)
+    mixed_params = [greedy, *params, greedy]
+    mixed_logits = torch.cat([logits[:1], logits, logits[-1:]])
+    gens = [torch.Generator().manual_seed(s) for s in [99, *range(len(params)), 98]]
+    together = [sample_batch(mixed_logits, mixed_params, gens) for _ in range(30)]
+    for b in range(len(params)):
+        assert [step[b + 1] for step in together] == alone[b]
+    assert all(
+        step[0] == int(logits[0].argmax()) and step[-1] == int(logits[-1].argmax()) for step in together
+    )
+    assert len(set(alone[0])) > 3  # the draws do vary (temperature 1 over 12 tokens)
+
+
+def test_logprobs_batch_against_log_softmax():
+    logits = _fixed_logits()
+    chosen, tops = logprobs_batch(logits[:3], [4, 0, 11], [0, 2, 5])
+    lp = torch.log_softmax(logits[:3], -1)
+    assert chosen == pytest.approx([float(lp[0, 4]), float(lp[1, 0]), float(lp[2, 11])], abs=1e-12)
+    assert tops[0] == []
+    for b, n in ((1, 2), (2, 5)):
+        order = lp[b].argsort(descending=True)[:n].tolist()
+        assert [i for i, _ in tops[b]] == order
+        assert [v for _, v in tops[b]] == pytest.approx(lp[b, order].tolist(), abs=1e-12)
+
+
+def test_seeded_request_in_mixed_steps_samples_as_alone(models):
+    """A seeded request keeps its tokens when other requests' prompts are packed into its decode forwards
+    and when it is itself prefilled beside their decodes."""
+    model = models["mla"]
+    p = _prompts()[1]
+    params = SamplingParams(max_tokens=10, temperature=0.9, top_k=30, top_p=0.95, seed=7)
+    alone = Engine(model, cache_tokens=512).generate([p], params)[0]
+    engine = Engine(model, cache_tokens=512, page_size=4, prefill_chunk=16)
+    calls, hook = _forwards(model)
+    try:
+        got = {}
+        others = [
+            SamplingParams(max_tokens=6, temperature=1.0, seed=1),
+            SamplingParams(max_tokens=6, **GREEDY),
+        ]
+        first = engine.add_request(_prompts()[0], others[0])
+        engine.step()
+        mine = engine.add_request(p, params)  # prefilled beside first's decode
+        got[mine] = []
+        for k in range(12):
+            if k == 2:
+                engine.add_request(_prompts()[3], others[1])  # a 30-token prompt: 16 + 14 beside mine
+            for o in engine.step():
+                if o.request_id == mine:
+                    got[mine] += o.new_token_ids
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.request_id == mine:
+                    got[mine] += o.new_token_ids
+    finally:
+        hook.remove()
+    assert first != mine and got[mine] == alone
+    assert sum(kind == "PackedBatch" for _, kind in calls) >= 2

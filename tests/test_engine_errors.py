@@ -1,5 +1,6 @@
 """Misuse of the decode engine gets one clear error naming the problem, never a shape error from deep inside
-an attention kernel: capacity, batch, dtype, device, mode, naive vs compact cache, a cache of another model."""
+an attention kernel: capacity, batch, dtype, device, mode, naive vs compact cache, a cache of another model; the
+serving engine's packed view (one-token rows) and its mixing setting likewise."""
 
 import pytest
 import torch
@@ -136,3 +137,40 @@ def test_generate_input_errors():
         generate(model, [[5, -1]], 3)
     with pytest.raises(ValueError, match="max_new_tokens"):
         generate(model, [5], -1)
+
+
+def test_packed_batch_misuse_gets_clear_errors_and_changes_nothing():
+    """The serving engine's packed view (one-token rows, kvlm.cache.paged_batch.PackedBatch): a sequence twice,
+    counts that do not match, tokens of the wrong shape, a pool too small: one error each, nothing written."""
+    from kvlm.cache import OutOfPages, PagedKVCache
+    from kvlm.cache.paged_batch import PackedBatch
+
+    model = _model()
+    cache = PagedKVCache.for_model(model, cache_tokens=16, page_size=4)
+    for s in ("a", "b"):
+        cache.add_sequence(s)
+    with pytest.raises(CacheError, match="appears twice"):
+        PackedBatch(cache, ["a", "a"], [1, 2])
+    with pytest.raises(CacheError, match="n_new"):
+        PackedBatch(cache, ["a", "b"], [1, 0])
+    with pytest.raises(CacheError, match="n_new"):
+        PackedBatch(cache, ["a", "b"], [1])
+    with pytest.raises(CacheError, match="unknown sequence 'c'"):
+        PackedBatch(cache, ["a", "c"], [1, 1])
+    with pytest.raises(CacheError, match=r"takes tokens of shape \(3, 1\), got \(1, 3\)"):
+        model(_tokens(1, 3), cache=PackedBatch(cache, ["a", "b"], [1, 2]))
+    with pytest.raises(OutOfPages, match="needs 5 new pages, 4 are free"):
+        model(_tokens(17, 1), cache=PackedBatch(cache, ["a", "b"], [9, 8]))
+    with pytest.raises(CacheError, match="exceed max_seq_len=64"):
+        model(_tokens(65, 1), cache=PackedBatch(cache, ["a"], [65]))
+    assert cache.seq_len("a") == cache.seq_len("b") == 0 and cache.num_used_pages == 0
+    model(_tokens(3, 1), cache=PackedBatch(cache, ["a", "b"], [1, 2]))  # what fits, runs
+    assert (cache.seq_len("a"), cache.seq_len("b")) == (1, 2)
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, "8"])
+def test_engine_mix_tokens_must_be_a_count(value):
+    from kvlm.serve import Engine
+
+    with pytest.raises(ValueError, match="mix_tokens must be an integer >= 0"):
+        Engine(_model(), cache_tokens=64, mix_tokens=value)

@@ -168,3 +168,25 @@ def test_init_from_a_transformers_llama_folder(stories, tmp_path):
         theirs = hf(ids).logits
     assert torch.allclose(mine, theirs, atol=1e-5), (mine - theirs).abs().max()
     assert trainer.origin["kind"] == "hf-llama" and trainer.progress.step == 0
+
+
+def test_a_finetune_keeps_the_inits_stop_tokens_and_chat_template(stories, base, tmp_path):
+    """An imported chat model's tokenizer settings (meta.json ``hf_tokenizer``: stop tokens, chat template) stay
+    with the fine-tuned weights, so `kvlm generate` on the healed checkpoint still stops at the end of a turn
+    and export-hf still writes the template; config.yaml's init section stays a short record."""
+    model, tok, _ = load_checkpoint(base)
+    turn_end = tok.backend.id_to_token(5)  # this small BPE has no <|im_end|>: any token stands in for it
+    settings = {
+        "eos_token": "<|endoftext|>",
+        "stop_tokens": ["<|endoftext|>", turn_end],
+        "chat_template": "{{ x }}",
+    }
+    save_checkpoint(tmp_path / "chat", model, tok, meta={"hf_tokenizer": settings})
+    assert load_checkpoint(tmp_path / "chat")[1].stop_ids == [tok.eos_id, 5]
+    res = train(
+        None, quick(init=str(tmp_path / "chat"), max_steps=1), stories, tmp_path / "ft", progress=False
+    )
+    _, tuned_tok, meta = load_checkpoint(res.checkpoint)
+    assert meta["hf_tokenizer"] == settings and "hf_tokenizer" not in meta["init"]
+    assert tuned_tok.stop_ids == [tok.eos_id, 5]
+    assert "hf_tokenizer" not in yaml.safe_load((tmp_path / "ft" / "config.yaml").read_text())["init"]

@@ -361,3 +361,134 @@ def test_sequence_splits_merge_exactly(threads):
         torch.set_num_threads(before)
     ref = reference(q.reshape(1, 1, 8, D), c[:, None], c[:, None], view.start, view.end, 2, 0.125)
     assert (out.reshape(1, 1, 8, D) - ref).abs().max().item() < 1e-12
+
+
+# The AVX-512 micro-kernels (csrc/decode_avx512.h: float32 queries) block rows by 4 / 2 / 1 and keys by tiles of
+# 16 or 32, mask the tail of the feature axes, and read bf16 / int8 rows either widened in registers (fewer than
+# 8 rows, int8 scales folded into scores and probabilities) or widened once into a float tile (8 rows or more):
+# shapes aimed at each of those edges, float32 against the float64 definition. (float64 queries take the
+# portable path, tested above.)
+EDGE_CASES = [  # (B, H, T, D_c, d_R, S, page size, cache dtype, start offset)
+    (2, 1, 1, 8, 0, 37, 5, "fp32", 0),  # one masked vector, single row, page size not dividing a tile
+    (2, 3, 3, 33, 5, 100, 7, "fp32", 11),  # odd widths, 9 rows = 4 + 4 + 1, start inside a tile
+    (1, 7, 2, 17, 1, 260, 16, "int8", 0),  # 14 rows = 4 x 3 + 2, width 16 + 1, int8 widened into a tile
+    (3, 5, 1, 300, 24, 81, 9, "int8", 4),  # wide: tiles of 16, 5 rows = 4 + 1, int8 in registers, both tails
+    (2, 6, 4, 250, 7, 90, 32, "bf16", 2),  # 24 rows, bf16 widened into a tile with a masked tail
+    (2, 3, 2, 250, 7, 90, 32, "bf16", 2),  # 6 rows = 4 + 2, bf16 widened in registers with a masked tail
+    (1, 12, 1, 256, 32, 1000, 64, "int8", 0),  # the bench's MLA shape, int8, many tiles
+]
+
+
+def _latent_setup(B, H, T, Dc, dR, S, P, store, s0, gen, scores_scale=1.0):
+    c = torch.randn(B, S, Dc, generator=gen) * scores_scale
+    kr = torch.randn(B, S, dR, generator=gen) if dR else None
+    q = torch.randn(B, H, T, Dc, generator=gen)
+    qr = torch.randn(B, H, T, dR, generator=gen) if dR else None
+    start = torch.tensor([s0 + b for b in range(B)], dtype=torch.int32)
+    end = torch.tensor([S - 2 * b for b in range(B)], dtype=torch.int32)
+    pool, table = paged(c, P, gen)
+    s = None
+    if store == "int8":
+        pool, s = quantize(pool, torch.int8)
+        c = dequantize(*quantize(c, torch.int8), torch.float32)
+    elif store == "bf16":
+        pool = pool.to(torch.bfloat16)
+        c = c.to(torch.bfloat16).float()
+    rview = None
+    if dR:
+        rpool = torch.zeros(pool.shape[0], P, dR)
+        for b in range(B):
+            for j in range(S):
+                rpool[table[b, j // P], j % P] = kr[b, j]
+        rview = BlockView(rpool, table, start, end, P)
+    return c, kr, q, qr, BlockView(pool, table, start, end, P, s), rview
+
+
+@pytest.mark.parametrize("B,H,T,Dc,dR,S,P,store,s0", EDGE_CASES)
+def test_latent_micro_kernel_edges(B, H, T, Dc, dR, S, P, store, s0):
+    gen = torch.Generator().manual_seed(Dc * 7 + H)
+    c, kr, q, qr, view, rview = _latent_setup(B, H, T, Dc, dR, S, P, store, s0, gen)
+    scale = 1 / math.sqrt(Dc + dR)
+    out = kernels.latent_decode(q, qr, view, rview, T, scale, strict=True)
+    ref = reference(q.reshape(B, 1, H * T, Dc), c[:, None], c[:, None], view.start, view.end, T, scale,
+                    None if qr is None else qr.reshape(B, 1, H * T, dR), kr).view(B, H, T, Dc)  # fmt: skip
+    assert (out.double() - ref).abs().max().item() < 2e-5
+
+
+@pytest.mark.parametrize("B,Hq,G,T,D,S,P,store", [
+    (2, 2, 2, 1, 24, 70, 6, "fp32"),  # MHA rows (1 per group), 24 = 16 + 8: a masked second vector
+    (1, 6, 2, 3, 100, 75, 10, "int8"),  # 9 rows per group, int8 K and V with their own scales
+    (2, 3, 1, 5, 65, 64, 64, "bf16"),  # MQA, 15 rows = 4 x 3 + 2 + 1, one page per sequence
+    (1, 1, 1, 16, 48, 40, 3, "int8"),  # 16 new tokens of one head: 4 x 4 rows, ragged pages of 3
+])  # fmt: skip
+def test_gqa_micro_kernel_edges(B, Hq, G, T, D, S, P, store):
+    gen = torch.Generator().manual_seed(D * 3 + T)
+    k = torch.randn(B, G, S, D, generator=gen)
+    v = torch.randn(B, G, S, D, generator=gen)
+    q = torch.randn(B, Hq, T, D, generator=gen)
+    start = torch.tensor([3 * b for b in range(B)], dtype=torch.int32)
+    end = torch.tensor([S - b for b in range(B)], dtype=torch.int32)
+    kp, table = paged(k, P, gen)
+    vp = torch.zeros_like(kp)
+    for b in range(B):
+        for j in range(S):
+            vp[table[b, j // P], :, j % P] = v[b, :, j]
+    ks = vs = None
+    if store == "int8":
+        (kp, ks), (vp, vs) = quantize(kp, torch.int8), quantize(vp, torch.int8)
+        k, v = (
+            dequantize(*quantize(k, torch.int8), torch.float32),
+            dequantize(*quantize(v, torch.int8), torch.float32),
+        )
+    elif store == "bf16":
+        kp, vp = kp.to(torch.bfloat16), vp.to(torch.bfloat16)
+        k, v = k.to(torch.bfloat16).float(), v.to(torch.bfloat16).float()
+    out = kernels.gqa_decode(q, BlockView(kp, table, start, end, P, ks), BlockView(vp, table, start, end, P, vs),
+                             T, D**-0.5, strict=True)  # fmt: skip
+    ref = reference(q.reshape(B, G, Hq // G * T, D), k, v, start, end, T, D**-0.5).view(B, Hq, T, D)
+    assert (out.double() - ref).abs().max().item() < 2e-5
+
+
+def test_micro_kernel_rising_max_peaky_scores_and_padding_rows():
+    """Scores that grow along the sequence (the running max moves on every tile, so every tile rescales what
+    the rows have summed), a scale that makes the softmax peaky (exp far below FLT_MIN for most keys), and a
+    sequence whose start lies after its first new tokens' slots (left-padding rows that see only their own
+    slot), float32 through the micro-kernels against float64."""
+    gen = torch.Generator().manual_seed(11)
+    B, H, T, Dc, dR, S, P = 2, 4, 3, 40, 8, 150, 16
+    c, kr, q, qr, view, rview = _latent_setup(B, H, T, Dc, dR, S, P, "fp32", 0, gen)
+    ramp = torch.linspace(0.1, 3.0, S)[None, :, None]
+    c = c * ramp
+    q = q.abs() + 0.5
+    c = c.abs()  # q . c_j > 0 and rising with j: a new max on every tile
+    pool, table = paged(c, P, gen)
+    rpool = torch.zeros(pool.shape[0], P, dR)
+    for b in range(B):
+        for j in range(S):
+            rpool[table[b, j // P], j % P] = kr[b, j]
+    start = torch.tensor([0, S - 2], dtype=torch.int32)  # sequence 1: rows t = 0 see only their own slot
+    end = torch.full((B,), S, dtype=torch.int32)
+    view, rview = BlockView(pool, table, start, end, P), BlockView(rpool, table, start, end, P)
+    for scale in (0.05, 3.0):  # mild, and peaky (scores differ by thousands)
+        out = kernels.latent_decode(q, qr, view, rview, T, scale, strict=True)
+        ref = reference(q.reshape(B, 1, H * T, Dc), c[:, None], c[:, None], start, end, T, scale,
+                        qr.reshape(B, 1, H * T, dR), kr).view(B, H, T, Dc)  # fmt: skip
+        assert torch.isfinite(out).all()
+        assert (out.double() - ref).abs().max().item() < 2e-5 * max(1.0, ref.abs().max().item())
+
+
+@pytest.mark.parametrize("store", ["fp32", "int8"])
+def test_micro_kernel_sequence_splits_float32(store):
+    """Batch 1 on 2 threads: the key axis split in two, each half through the micro-kernels, merged."""
+    gen = torch.Generator().manual_seed(4)
+    c, kr, q, qr, view, rview = _latent_setup(1, 12, 1, 256, 32, 1500, 16, store, 5, gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert kernels._splits(1, view) == 2
+        out = kernels.latent_decode(q, qr, view, rview, 1, 0.06, strict=True)
+    finally:
+        torch.set_num_threads(before)
+    ref = reference(q.reshape(1, 1, 12, 256), c[:, None], c[:, None], view.start, view.end, 1, 0.06,
+                    qr.reshape(1, 1, 12, 32), kr).view(1, 12, 1, 256)  # fmt: skip
+    assert (out.double() - ref).abs().max().item() < 2e-5

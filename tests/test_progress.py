@@ -180,3 +180,55 @@ def test_bench_reports_progress_per_case(capsys, every_update):
     assert cli(["bench", "--variants", "mha,gqa", "--modes", "naive", "--no-peers", *toy, "--json"]) == 0
     err = capsys.readouterr().err
     assert "bench: 1/2 case (50 %)" in err and "bench: done, 2/2 case" in err and "\r" not in err
+
+
+def test_prepare_without_a_cap_counts_bytes_of_the_input_files(tmp_path, capsys, every_update):
+    """No --max-tokens: the bar's total is the input files' size, so the lines carry a percentage and an ETA."""
+    src = tmp_path / "text"
+    src.mkdir()
+    docs = [f"document {i}: the cat sat on the mat, and the dog sat on the log. " * 8 for i in range(60)]
+    (src / "train.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    (src / "val.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs[:5]))
+    size = (src / "train.jsonl").stat().st_size + (src / "val.jsonl").stat().st_size
+    assert cli(["prepare", str(src), "--out", str(tmp_path / "d"), "--vocab-size", "300"]) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("prepare: ")]
+    assert lines and all("\r" not in line for line in lines)
+    first, last = lines[0], lines[-1]
+    assert "B (" in first and "ETA" in first and "tokens " in first, first
+    from tqdm import tqdm
+
+    from kvlm.data import load_prepared
+
+    text_bytes = sum(len(d.encode()) for d in docs + docs[:5])  # the documents' text, within the files' size
+    assert last.startswith(
+        f"prepare: done, {tqdm.format_sizeof(text_bytes)}/{tqdm.format_sizeof(size)} B ("
+    ), last
+    meta = load_prepared(tmp_path / "d").meta["splits"]
+    assert last.endswith(f"tokens {meta['train']['tokens'] + meta['val']['tokens']:,}"), last
+
+
+def test_conversion_to_mla_reports_progress(caplog, every_update):
+    """import-hf --mla: bars over the calibration windows, the layers and the perplexity windows."""
+    import torch
+
+    from kvlm import ModelConfig, build_model
+    from kvlm.interop.convert import gqa_to_mla, window_perplexity
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        attention="gqa", n_kv_head=2, n_layer=3, d_model=32, n_head=4, vocab_size=50, max_seq_len=16
+    )
+    model = build_model(cfg).eval()
+    windows = torch.randint(0, 50, (6, 16))
+    with caplog.at_level(logging.INFO, logger="kvlm"):
+        mla = gqa_to_mla(model, 16, 4, windows, progress=True)
+        window_perplexity(mla, windows, progress=True)
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvlm.progress"]
+    assert any(line.startswith("calibrate: done, 6/6 window") for line in lines), lines
+    assert any(line.startswith("convert to MLA: 1/3 layer (33 %)") and "ETA" in line for line in lines), lines
+    assert any(line.startswith("convert to MLA: done, 3/3 layer") for line in lines), lines
+    assert any(line.startswith("perplexity: done, 6/6 window") for line in lines), lines
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="kvlm"):
+        gqa_to_mla(model, 16, 4, windows)  # the library default: quiet
+    assert not [r for r in caplog.records if r.name == "kvlm.progress"]

@@ -264,6 +264,187 @@ def test_overload_answers_429(served):
         assert http.post("/v1/completions", json={"prompt": "ok", "max_tokens": 2}).status_code == 200
 
 
+# --- n completions of one prompt ----------------------------------------------------------------------------
+def test_n_greedy_gives_n_equal_choices(served, client):
+    """n=3 greedy completions: three choices indexed 0..2, each the greedy reference; usage counts the prompt once
+    and every choice's tokens."""
+    prompt = "Twice"
+    ids = served.tokenizer.encode(prompt)
+    ref, ref_text = reference(served, ids, 6)
+    r = client.completions.create(model=NAME, prompt=prompt, max_tokens=6, temperature=0, n=3,
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    for c in r.choices:
+        assert extra(c, "token_ids") == ref and c.text == ref_text and c.finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), 3 * 6)
+    chat = client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], n=2,
+                                          max_tokens=4, temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content == chat.choices[1].message.content
+    assert chat.usage.completion_tokens == 8
+
+
+def test_n_streaming_interleaves_indexed_choices(served, client):
+    """A streamed n=2 request: every chunk's choice carries its index; each index's tokens, joined, are the
+    reference and end with its own finish_reason; the usage chunk sums both."""
+    prompt = "Streams"
+    ref, ref_text = reference(served, served.tokenizer.encode(prompt), 7)
+    chunks = list(client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=7, temperature=0, n=2, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True, "return_token_ids": True},
+    ))  # fmt: skip
+    tokens, texts, finish = {0: [], 1: []}, {0: "", 1: ""}, {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            assert c.index not in finish, "a chunk after the choice's finish_reason"
+            tokens[c.index] += extra(c, "token_ids")
+            texts[c.index] += c.text
+            if c.finish_reason is not None:
+                finish[c.index] = c.finish_reason
+    assert tokens == {0: ref, 1: ref} and texts == {0: ref_text, 1: ref_text}
+    assert finish == {0: "length", 1: "length"}
+    assert chunks[-1].usage.completion_tokens == 14 and not chunks[-1].choices
+    chat = list(client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "hi"}], n=2,
+                                               max_tokens=3, temperature=0, stream=True,
+                                               extra_body={"ignore_eos": True}))  # fmt: skip
+    content = {0: "", 1: ""}
+    roles = set()
+    for chunk in chat:
+        for c in chunk.choices:
+            content[c.index] += c.delta.content or ""
+            if c.delta.role:
+                roles.add(c.index)
+    assert roles == {0, 1} and content[0] == content[1]
+
+
+def test_n_sampled_with_seed_is_reproducible(client):
+    """Sampled n=3 with a seed: the same request gives the same three choices; choice i is what a single
+    request with seed + i gives, so the three differ."""
+    kw = dict(model=NAME, prompt="dice", max_tokens=8, temperature=1.0,
+              extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+    first = client.completions.create(n=3, seed=7, **kw)
+    again = client.completions.create(n=3, seed=7, **kw)
+    got = [extra(c, "token_ids") for c in first.choices]
+    assert got == [extra(c, "token_ids") for c in again.choices]
+    singles = [extra(client.completions.create(seed=7 + i, **kw).choices[0], "token_ids") for i in range(3)]
+    assert got == singles
+    assert len({tuple(t) for t in got}) > 1, "seed + i should give different samples"
+
+
+def test_n_stream_disconnect_frees_every_choice(server):
+    engine = server.engine
+    wait_for(lambda: engine.stats()["running"] == 0 and engine.inflight == 0, what="an idle server")
+    before = engine.stats()
+    body = {"model": NAME, "prompt": "Two long stories", "max_tokens": 900, "stream": True, "n": 2,
+            "ignore_eos": True}  # fmt: skip
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as resp:
+        seen = 0
+        for line in resp.iter_lines():
+            seen += line.startswith("data: {")
+            if seen == 4:
+                break
+        assert engine.stats()["running"] == 2 and engine.inflight == 2
+    wait_for(lambda: engine.inflight == 0 and engine.stats()["running"] == 0, what="both aborts")
+    after = engine.stats()
+    assert after["pages_used"] == before["pages_used"]
+    assert after["generation_tokens_total"] - before["generation_tokens_total"] < 1800
+
+
+def test_n_larger_than_the_server_holds_is_400(served):
+    app, _ = build_server(served, max_batch=2, max_waiting=1, page_size=4, cache_tokens=4 * CTX)
+    with ServerThread(app) as srv:
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2, "n": 4}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2, "n": 3}, timeout=30)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 3
+
+
+# --- the hand-off from the engine thread ---------------------------------------------------------------------
+class _RecordingLoop:
+    """Stands in for an event loop: records the thread-safe calls instead of running them."""
+
+    def __init__(self):
+        self.calls = []
+
+    def call_soon_threadsafe(self, fn, *args):
+        self.calls.append((fn, args))
+
+
+def _out(rid, ids, text, finished=False, lps=None):
+    from kvlm.serve.request import RequestOutput
+
+    return RequestOutput(rid, list(ids), text, lps, None, finished, "length" if finished else None, 3, 0)
+
+
+def test_one_handoff_per_step_carries_every_request():
+    """All requests' outputs of one step reach the event loop in ONE call_soon_threadsafe, each to its own
+    request's stream and index."""
+    from kvlm.serve.async_engine import AsyncEngine, _Sink, _Stream
+
+    loop = _RecordingLoop()
+    ae = AsyncEngine(engine=None)
+    sinks = [_Sink(loop) for _ in range(3)]
+    for k, sink in enumerate(sinks):
+        ae._streams[f"r{k}"] = _Stream(f"r{k}", k % 2, sink, 3, 0.0)
+    ae._dispatch([_out(f"r{k}", [10 + k], f"t{k}") for k in range(3)])
+    assert len(loop.calls) == 1
+    fn, (batch,) = loop.calls[0]
+    fn(batch)  # what the event loop would run
+    for k, sink in enumerate(sinks):
+        assert list(sink.pending) == [k % 2]
+        assert sink.pending[k % 2].new_token_ids == [10 + k] and sink.pending[k % 2].new_text == f"t{k}"
+
+
+def test_a_lagging_consumer_gets_the_outputs_merged():
+    """Outputs its consumer has not taken yet are merged per index (tokens, text and logprobs joined in order,
+    the finish from the last), so a consumer behind by three steps sends one event, not three."""
+    from kvlm.serve.async_engine import _Sink
+
+    async def main():
+        sink = _Sink(asyncio.get_running_loop())
+        sink.put(0, _out("a", [1], "x", lps=[-1.0]))
+        sink.put(1, _out("b", [7], "q"))
+        sink.put(0, _out("a", [2, 3], "yz", lps=[-2.0, -3.0]))
+        sink.put(0, _out("a", [4], "w", finished=True, lps=[-4.0]))
+        first = await sink.get()
+        waiter = asyncio.ensure_future(sink.get())
+        await asyncio.sleep(0)
+        assert not waiter.done()  # nothing pending: the consumer waits
+        sink.put(1, _out("b", [8], "r", finished=True))
+        return first, await waiter
+
+    first, second = asyncio.run(main())
+    assert [i for i, _ in first] == [0, 1]
+    a = first[0][1]
+    assert (a.new_token_ids, a.new_text, a.token_logprobs) == ([1, 2, 3, 4], "xyzw", [-1.0, -2.0, -3.0, -4.0])
+    assert a.finished and a.finish_reason == "length"
+    assert first[1][1].new_token_ids == [7]
+    assert [(i, o.new_token_ids, o.finished) for i, o in second] == [(1, [8], True)]
+
+
+def test_stream_frames_equal_the_full_bodies():
+    """The pre-serialized SSE envelope gives the same JSON as building each chunk's whole body."""
+    from kvlm.serve.openai_protocol import StreamFrames, chat_body, completion_body, usage
+
+    choice = {"index": 1, "text": 'a "quoted" \u00e9\n', "logprobs": None, "finish_reason": None,
+              "token_ids": [1, 2]}  # fmt: skip
+    frames = StreamFrames("cmpl-1", "text_completion", 'm"odel')
+    for got, want in [
+        (frames.choice(choice), completion_body("cmpl-1", 'm"odel', choice, None, chunk=True)),
+        (frames.usage(usage(3, 4)), completion_body("cmpl-1", 'm"odel', None, usage(3, 4), chunk=True)),
+    ]:
+        assert got.startswith("data: ") and got.endswith("\n\n")
+        body = json.loads(got[6:])
+        assert abs(body.pop("created") - want.pop("created")) <= 1 and body == want
+    chat = StreamFrames("c", "chat.completion.chunk", "m")
+    delta_choice = {"index": 0, "delta": {"content": "hi"}, "logprobs": None, "finish_reason": None}
+    body, want = (
+        json.loads(chat.choice(delta_choice)[6:]),
+        chat_body("c", "m", delta_choice, None, chunk=True),
+    )
+    assert abs(body.pop("created") - want.pop("created")) <= 1 and body == want
+
+
 # --- bad input -------------------------------------------------------------------------------------------
 LONG = "x" * (CTX + 5)
 BAD = [
@@ -279,7 +460,9 @@ BAD = [
     ("completions", {"prompt": "hi", "max_tokens": "5"}, "max_tokens"),
     ("completions", {"prompt": "hi", "max_tokens": 2.5}, "max_tokens"),
     ("completions", {"prompt": "hi", "logprobs": 50}, "logprobs"),
-    ("completions", {"prompt": "hi", "n": 2}, "n"),
+    ("completions", {"prompt": "hi", "n": 0}, "n"),
+    ("completions", {"prompt": "hi", "n": 129}, "n"),
+    ("completions", {"prompt": "hi", "n": 2, "best_of": 3}, "best_of"),
     ("completions", {"prompt": "hi", "stream": "yes"}, "stream"),
     ("completions", {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ("completions", {"prompt": "hi", "seed": "1"}, "seed"),
@@ -354,7 +537,16 @@ def test_shutdown_finishes_then_cancels_inflight(served):
     """Shutdown lets a short request finish; a long stream ends at the timeout with finish_reason "abort" and
     [DONE], and the engine is left with nothing running and no pages held."""
     app, engine = build_server(served, max_batch=4, page_size=4, cache_tokens=4 * CTX)
-    srv = ServerThread(app, graceful_s=1.0).start()
+    # every engine step takes at least 5 ms, so the long request needs >= 5 s and cannot end inside the 3 s
+    # grace, while the short one (20 steps) ends well inside it however loaded the machine is
+    step = engine.engine.step
+
+    def slow_step(*a, **k):
+        time.sleep(0.005)
+        return step(*a, **k)
+
+    engine.engine.step = slow_step
+    srv = ServerThread(app, graceful_s=3.0).start()
     results = {}
 
     def short():

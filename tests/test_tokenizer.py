@@ -112,3 +112,100 @@ def test_prepared_data_has_one_end_of_text_per_document(tmp_path):
     assert ids.count(data.eos_id) == len(docs) and ids[-1] == data.eos_id
     first = ids[: ids.index(data.eos_id)]
     assert data.tokenizer.decode(first) == docs[0]
+
+
+# --- stop tokens: a chat model ends its reply with <|im_end|>, not <|endoftext|> ------------------------------
+CHAT_TEMPLATE = (  # SmolLM2-Instruct's, shortened
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n'}}{% endfor %}"
+)
+
+
+@pytest.fixture(scope="module")
+def chat_backend():
+    """A byte-level BPE whose special tokens are SmolLM2-Instruct's: <|endoftext|> 0, <|im_start|> 1,
+    <|im_end|> 2."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers, trainers
+
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok.train_from_iterator(
+        ["the cat sat on the mat"] * 20, trainers.BpeTrainer(vocab_size=300, special_tokens=specials)
+    )
+    return tok
+
+
+def test_stop_tokens_hold_the_eos_first_and_are_checked(chat_backend):
+    from kvlm.data.tokenizer import Tokenizer
+
+    plain = Tokenizer(chat_backend)
+    assert plain.stop_ids == [0] and plain.stop_tokens == [EOS_TOKEN]  # the old single eos, unchanged
+    tok = Tokenizer(chat_backend, stop_tokens=["<|im_end|>", EOS_TOKEN])
+    assert tok.eos_id == 0 and tok.stop_ids == [0, 2]
+    with pytest.raises(TokenizerError, match="no stop token '<\\|eot_id\\|>'"):
+        Tokenizer(chat_backend, stop_tokens=["<|eot_id|>"])
+
+
+def test_end_of_turn_tokens_of_chat_templates():
+    from kvlm.data.tokenizer import end_of_turn_tokens
+
+    specials = [
+        "<|endoftext|>",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|eot_id|>",
+        "<|start_header_id|>",
+        "<|end_header_id|>",
+    ]
+    assert end_of_turn_tokens(CHAT_TEMPLATE, specials) == ["<|im_end|>"]
+    llama3 = "{{'<|start_header_id|>' + m['role'] + '<|end_header_id|>' + m['content'] + '<|eot_id|>'}}"
+    assert end_of_turn_tokens(llama3, specials) == ["<|eot_id|>"]
+    assert end_of_turn_tokens(None, specials) == [] and end_of_turn_tokens("", specials) == []
+
+
+def test_load_tokenizer_reads_the_stop_tokens_its_folder_declares(chat_backend, tmp_path):
+    """A kvlm checkpoint's meta.json (what import-hf keeps), or a Hugging Face folder's generation_config.json
+    (an id list) and tokenizer_config.json (eos, chat template) beside tokenizer.json."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    chat_backend.save(str(ckpt / "tokenizer.json"))
+    assert load_tokenizer(ckpt).stop_ids == [0]  # no declaration: the end-of-text token alone
+    meta = {"format": "kvlm-checkpoint", "version": 1, "hf_tokenizer": {"eos_token": "<|im_end|>"}}
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    assert load_tokenizer(ckpt / "tokenizer.json").stop_ids == [0, 2]
+    # another format's meta.json (a prepared-data folder) declares nothing
+    (ckpt / "meta.json").write_text(json.dumps({**meta, "format": "kvlm-data"}))
+    assert load_tokenizer(ckpt).stop_ids == [0]
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    chat_backend.save(str(hf / "tokenizer.json"))
+    # an id list, as Llama-3's; 99999 is not in the vocabulary: skipped
+    (hf / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 99999]}))
+    assert load_tokenizer(hf).stop_ids == [0, 2]
+    (hf / "generation_config.json").unlink()
+    (hf / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
+    assert load_tokenizer(hf).stop_ids == [0, 2]
+    (hf / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": "<|im_start|>"}}))
+    assert load_tokenizer(hf).stop_ids == [0, 1]
+
+
+def test_a_folder_without_endoftext_uses_its_declared_eos(tmp_path):
+    """A Llama-style vocabulary (</s>, no <|endoftext|>) loads when its folder declares the eos; without the
+    declaration it is refused as before."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import models, pre_tokenizers, trainers
+
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(
+        ["a b c"] * 5, trainers.BpeTrainer(vocab_size=280, special_tokens=["<s>", "</s>"])
+    )
+    tok.save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(TokenizerError, match="no end-of-text token"):
+        load_tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    loaded = load_tokenizer(tmp_path)
+    assert loaded.eos_token == "</s>" and loaded.eos_id == 1 and loaded.stop_ids == [1]

@@ -127,6 +127,94 @@ def _version(w: torch.Tensor) -> int:
     return -1 if w.is_inference() else w._version
 
 
+class PackedGroup:
+    """Linears that read the same input (q/k/v, SwiGLU's gate and up), packed at decode as one MKL GEMM
+    [W_1; ...; W_n] for products of exactly ``rows`` rows: one weight stream and one call instead of n. A
+    decode-time copy only: the parameters, the state dict and the unpacked path are untouched, and each output
+    equals its own packed product exactly (MKL computes every output column the same way). ``outputs`` returns
+    None when it does not apply (other rows, a weight written since, autograd, not float32 CPU)."""
+
+    def __init__(self, linears: list[Linear], rows: int):
+        ws = [m.weight for m in linears]
+        self.key = self._key(linears, rows)
+        self.rows = rows
+        self.sizes = [w.shape[0] for w in ws]
+        with torch.no_grad():
+            w = torch.cat([w.detach() for w in ws])
+            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(w, rows)
+            if any(m.bias is not None for m in linears):
+                zero = w.new_zeros
+                self.bias = torch.cat(
+                    [m.bias if m.bias is not None else zero(n) for m, n in zip(linears, self.sizes)]
+                )
+            else:
+                self.bias = None
+        # MKL reads only the packed copy at ``rows`` rows; the op takes the unpacked weight for its shape, so a
+        # zero-stride stand-in keeps the group from holding a third copy of the weights
+        self.shape_weight = w.new_zeros(()).expand(w.shape)
+
+    @staticmethod
+    def _key(linears: list[Linear], rows: int) -> tuple:
+        return tuple((m.weight.data_ptr(), _version(m.weight)) for m in linears) + (rows,)
+
+    @staticmethod
+    def build(linears: list[Linear], rows: int | None) -> PackedGroup | None:
+        """The group for ``rows``-row products, or None (rows None, not float32 CPU weights, or no MKL)."""
+        if rows is None or not torch.backends.mkl.is_available():
+            return None
+        for m in linears:  # plain float32 CPU tensors only (not a tensor-parallel shard's DTensor)
+            w = m.weight
+            if type(w.data) is not torch.Tensor or w.device.type != "cpu" or w.dtype != torch.float32:
+                return None
+        return PackedGroup(linears, rows)
+
+    def outputs(self, linears: list[Linear], x: torch.Tensor) -> list[torch.Tensor] | None:
+        rows = x.numel() // x.shape[-1] if x.numel() else 0
+        if rows != self.rows or x.dtype != torch.float32 or x.device.type != "cpu":
+            return None
+        if torch.is_grad_enabled() and (x.requires_grad or any(m.weight.requires_grad for m in linears)):
+            return None
+        if self._key(linears, rows) != self.key:
+            return None  # a weight was written or replaced since packing: the unfused path is exact
+        y = torch.ops.mkl._mkl_linear(x, self.packed, self.shape_weight, self.bias, rows)
+        return list(y.split(self.sizes, dim=-1))
+
+
+class GroupPacking(nn.Module):
+    """A module whose decode may run groups of its Linears (``packed_groups``: tuples of attribute names, each
+    reading the same input) as one ``PackedGroup`` each. ``pack_for_decode(rows)`` packs them (rows None drops
+    them) and returns the Linears it covered, which ``KVLM.pack_for_decode`` then leaves unpacked on their own;
+    train(True), moves and casts drop them."""
+
+    packed_groups: tuple[tuple[str, ...], ...] = ()
+
+    def pack_for_decode(self, rows: int | None) -> list[Linear]:
+        groups, covered = {}, []
+        for names in self.packed_groups:
+            linears = [getattr(self, n) for n in names]
+            group = PackedGroup.build(linears, rows)
+            if group is not None:
+                groups[names] = group
+                covered += linears
+        self.__dict__["_decode_groups"] = groups
+        return covered
+
+    def group_outputs(self, names: tuple[str, ...], x: torch.Tensor) -> list[torch.Tensor] | None:
+        """The outputs of the Linears ``names`` on x through their packed group, or None (not packed for this
+        call: the caller runs them one by one, which gives the same values)."""
+        group = self.__dict__.get("_decode_groups", {}).get(names)
+        return None if group is None else group.outputs([getattr(self, n) for n in names], x)
+
+    def train(self, mode: bool = True):
+        if mode:
+            self.__dict__["_decode_groups"] = {}
+        return super().train(mode)
+
+    def _apply(self, fn, recurse=True):
+        self.__dict__["_decode_groups"] = {}
+        return super()._apply(fn, recurse)
+
+
 class GateEmbedding(nn.Embedding):
     """A token-indexed table that lives off the matmul path (EG-MLA's per-layer gate embedding, eg-mla.md
     Eq. 3): a decode step gathers a few rows of it instead of streaming it, and eg-mla.md reports it apart
@@ -336,7 +424,9 @@ __all__ = [
     "MODES",
     "Attention",
     "GateEmbedding",
+    "GroupPacking",
     "Linear",
+    "PackedGroup",
     "Step",
     "attend",
     "require",

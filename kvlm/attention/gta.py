@@ -5,17 +5,20 @@ RoPE part of every key is one shared k_rope (d_h^R): K_i = [V_{i // r}[:d_h - d_
 Caches V^C (g, d_h) and K^RoPE (d_h^R): g d_h + d_h^R per token per layer.
 
 Routes: "absorbed" (the decode route "auto" takes) scores the cached values and k_rope in place
-(q^NoPE . V[:d_h - d_h^R] + q^RoPE . K^RoPE) so no key tensor is built; "expand" / "naive" assemble the tied keys
+(q^NoPE . V[:d_h - d_h^R] + q^RoPE . K^RoPE) so no key tensor is built (at decode on CPU through the fused kernel
+kvlm.kernels.gqa_decode, contiguous or paged / int8 cache read in place); "expand" / "naive" assemble the tied keys
 and call SDPA (prefill, training). There is no separate materialised cache: V^C already is per-head.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 
+from kvlm import kernels
 from kvlm.attention.base import ABSORB_MAX_NEW, Attention, Linear, Step, attend, require
 from kvlm.attention.latent_ops import split_score_attention
 from kvlm.attention.registry import register
@@ -91,7 +94,14 @@ class GroupedTiedAttention(Attention):
             cos, sin = step.cos_sin(self.rope, x.dtype)
             q = torch.cat([q[..., : self.nope_dim], apply_rope(q[..., self.nope_dim :], cos, sin)], dim=-1)
             k_rope = apply_rope(self.wk_rope(x)[:, None], cos, sin)[:, 0]  # (B, T, d_h^R)
-        if cache is not None:
+        absorb = step.mode == "absorbed" or (step.mode == "auto" and T <= ABSORB_MAX_NEW)
+        if cache is not None and absorb and kernels.ready(q, step.n_new):
+            o = self.attend_kernel(q, v, k_rope, step, cache)
+            if o is not None:
+                self.record_route(step, "absorbed")
+                return self.output(o, x)
+            v, k_rope = cache.read("v", step.end), (cache.read("k_rope", step.end) if dr else None)
+        elif cache is not None:
             v = self.write(cache, "v", v, step)
             if k_rope is not None:
                 k_rope = self.write(cache, "k_rope", k_rope, step)
@@ -111,6 +121,21 @@ class GroupedTiedAttention(Attention):
         if k_rope is not None:  # K = [V[:, :, :d_h - d_h^R], K^RoPE] (C.7)
             k = torch.cat([v[..., : self.nope_dim], k_rope[:, None].expand(B, g, S, dr)], dim=-1)
         return self.output(attend(q, k, v, step, self.scale), x)
+
+    def attend_kernel(self, q, v, k_rope, step: Step, cache: CacheLayer) -> torch.Tensor | None:
+        """The absorbed route through the fused decode kernel (kvlm.kernels.gqa_decode) over the cache in place:
+        keys are the first d_h - d_h^R columns of the cached V heads (a strided view of the same pool, int8
+        scales included) plus the shared RoPE key. Stores the new tokens; None if the kernel declines."""
+        cache.store("v", v, step)
+        if k_rope is not None:
+            cache.store("k_rope", k_rope, step)
+        v_view = cache.block_view("v", step)
+        k_view = replace(v_view, pool=v_view.pool[..., : self.nope_dim])
+        kr_view = cache.block_view("k_rope", step) if k_rope is not None else None
+        q_rope = q[..., self.nope_dim :] if k_rope is not None else None
+        return kernels.gqa_decode(
+            q[..., : self.nope_dim], k_view, v_view, step.n_new, self.scale, q_rope=q_rope, k_rope=kr_view
+        )
 
     def tp_plan(self, rank: int, world: int) -> dict:
         """By group: the rank's query heads and their tied value/key heads on torch's ColwiseParallel (sliced

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from kvlm import kernels
 from kvlm.attention.base import Attention, Linear, Step, attend
 from kvlm.attention.registry import register
 from kvlm.attention.rope import RotaryEmbedding, apply_rope
@@ -76,11 +77,21 @@ class MultiMatrixFactorizationAttention(Attention):
         if self.rope is not None:
             cos, sin = step.cos_sin(self.rope, x.dtype)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:
+        self.record_route(step, "plain")
+        scale = 1.0 / math.sqrt(self.head_dim)
+        if cache is not None and kernels.ready(q, step.n_new):
+            # MQA decode through the fused kernel over the cache in place (kvlm.kernels.gqa_decode, one KV head)
+            cache.store("k", k, step)
+            cache.store("v", v, step)
+            k_view, v_view = cache.block_view("k", step), cache.block_view("v", step)
+            o = kernels.gqa_decode(q, k_view, v_view, step.n_new, scale)
+            if o is not None:
+                return self.output(o, x)
+            k, v = cache.read("k", step.end), cache.read("v", step.end)  # declined: the plain path
+        elif cache is not None:
             k = self.write(cache, "k", k, step)
             v = self.write(cache, "v", v, step)
-        self.record_route(step, "plain")
-        o = attend(q, k, v, step, 1.0 / math.sqrt(self.head_dim))
+        o = attend(q, k, v, step, scale)
         return self.output(o, x)
 
     def tp_plan(self, rank: int, world: int) -> dict:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvlm import kernels
-from kvlm.attention.base import Attention, Linear, Step, attend, require, softmax_scale
+from kvlm.attention.base import Attention, GroupPacking, Linear, Step, attend, require, softmax_scale
 from kvlm.attention.registry import register
 from kvlm.attention.rope import RotaryEmbedding, apply_rope
 
@@ -21,9 +21,10 @@ if TYPE_CHECKING:
 
 
 @register("mha")
-class MultiHeadAttention(Attention):
+class MultiHeadAttention(Attention, GroupPacking):
     name = "mha"
     hf_peer = "llama"
+    packed_groups = (("wq", "wk", "wv"),)  # one GEMM [W^Q; W^K; W^V] at decode with packed weights
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__(cfg, layer_idx)
@@ -64,9 +65,11 @@ class MultiHeadAttention(Attention):
 
     def forward(self, x: torch.Tensor, step: Step, cache: CacheLayer | None = None) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        qkv = self.group_outputs(("wq", "wk", "wv"), x)
+        q, k, v = qkv if qkv is not None else (self.wq(x), self.wk(x), self.wv(x))
+        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
         if self.rope is not None:
             cos, sin = step.cos_sin(self.rope, x.dtype)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

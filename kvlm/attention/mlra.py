@@ -21,7 +21,9 @@ parameter (``up_weights``): there is no derived weight to prepare, nor one that 
 
 Routes: "expand" re-expands the cached latent into per-unit K/V and runs SDPA (prefill, training); "absorbed" folds
 W^UK into the query and W^UV after attention, so attention runs MQA-style over each block's latent (mlra.md
-Sec. 2.1 Steps 1-3, per block, ``split_score_attention``); "naive" caches the materialised per-unit K/V; "auto"
+Sec. 2.1 Steps 1-3, per block, ``split_score_attention``; at decode the fused kernel
+``kvlm.kernels.latent_block_decode`` instead, its group axis the blocks, reading the contiguous or paged / int8
+cache in place); "naive" caches the materialised per-unit K/V; "auto"
 follows the family's rule (``LatentAttention.prefers_absorbed``).
 """
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from kvlm import kernels
 from kvlm.attention import register
 from kvlm.attention.base import Step, require
 from kvlm.attention.latent import LatentAttention
@@ -91,18 +94,42 @@ class LatentBlockAttention(LatentAttention):
     def forward_absorbed(self, x: torch.Tensor, step: Step, cache, cs) -> torch.Tensor:
         """Attention per unit without materialising K/V (Sec. 2.1 Steps 1-3, block by block)."""
         q_nope, q_rope = self.query(x, cs)
-        lat = self.write_latents(self.latents(x, cs), step, cache)
-        c, k_rope = lat["c_kv"], lat.get("k_rope")
+        lat = self.latents(x, cs)
         B, _, T, _ = q_nope.shape
         w_uk, w_uv = self.up_weights()  # (n_blocks, r, d_h, d_lat) views of wkv_b
         # Step 1: q~_(b),i = Q^NoPE_i (W^UK_(b),i)^T, one latent-space query per unit
         q_lat = torch.einsum("bnrtp,nrpl->bnrtl", self.units_of(q_nope), w_uk)
-        # Step 2: MQA-style attention of the r units of block b over [c_b, k_rope]; the RoPE logits are computed
-        # once per head and shared by its bpg branches
-        z = split_score_attention(q_lat, c, c, q_rope, k_rope, step, self.scale)
+        # Step 2: MQA-style attention of the r units of block b over [c_b, k_rope]
+        z = self.attend_kernel(q_lat, q_rope, lat, step, cache)
+        if z is None:  # the plain path: the RoPE logits computed once per head, shared by its bpg branches
+            lat = self.write_latents(lat, step, cache)
+            z = split_score_attention(
+                q_lat, lat["c_kv"], lat["c_kv"], q_rope, lat.get("k_rope"), step, self.scale
+            )
         # Step 3: O_(b),i = Z_(b),i W^UV_(b),i
         o = torch.einsum("bnrtl,nrpl->bnrtp", z, w_uv).reshape(B, self.n_units, T, -1)
         return self.output(self.combine(o), x)
+
+    def attend_kernel(self, q_lat, q_rope, lat, step: Step, cache) -> torch.Tensor | None:
+        """Step 2 through the fused decode kernel (kvlm.kernels.latent_block_decode) over the cache in place: the
+        contiguous buffer or the pages of a paged / int8 cache, no gather. Stores the new latents when it runs;
+        None (nothing stored) when no kernel applies, e.g. prefill-sized calls or autograd."""
+        if cache is None or not kernels.ready(q_lat, step.n_new, latent=True):
+            return None
+        for name, t in lat.items():
+            cache.store(name, t, step)
+        view = {name: cache.block_view(name, step) for name in lat}
+        # per unit: the kernel scores each (block, head) row against k_rope on its own (d_R more multiply-adds
+        # per unit and key than sharing a head's RoPE logits across its branches, against no gathered copy)
+        qr_units = self.units_of(q_rope) if q_rope is not None else None
+        z = kernels.latent_block_decode(
+            q_lat, qr_units, view["c_kv"], view.get("k_rope"), step.n_new, self.scale
+        )
+        if z is None:  # declined (e.g. an fp8 pool): the plain path over what was just stored
+            c = cache.read("c_kv", step.end)
+            k_rope = cache.read("k_rope", step.end) if "k_rope" in lat else None
+            return split_score_attention(q_lat, c, c, q_rope, k_rope, step, self.scale)
+        return z
 
     def tp_plan(self, rank: int, world: int) -> dict:
         """By latent block (mlra.md Sec. 3.2-3.4): a rank holds whole blocks of the KV latent with the up-projections

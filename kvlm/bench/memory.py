@@ -91,6 +91,13 @@ class PeakMemory:
             self._thread.join()
             self.peak = max(self.peak, rss())
 
+    def observe(self) -> None:
+        """Fold the usage now into ``peak``: for work after the block, run without the sampling thread."""
+        if self.device.type == "cuda":
+            self.peak = max(self.peak, torch.cuda.max_memory_allocated(self.device))
+        else:
+            self.peak = max(self.peak, rss())
+
     @property
     def extra(self) -> int:
         return max(0, self.peak - self.start)

@@ -4,7 +4,9 @@ The classes are timed with the model's own modules and routes, without instrumen
 
 - attention over the cache = the decode step at ``context`` cached tokens minus the same step at 1 cached token
   (the cache-proportional part: the same projections, MLPs and LM head run in both);
-- LM head = the final norm and the LM head alone on ``batch`` hidden states;
+- LM head = the final norm and the LM head alone on ``batch`` hidden states, its weight packed for MKL where the
+  timed step packs it (``bench_decode``, as ``generate``: batch 4-16 on CPU float32), so that the class times
+  the product the step runs;
 - weight GEMMs = the step at 1 cached token minus the LM head: the projections, MLPs, norms, the embedding
   gather and the per-step Python overhead (which a static or compiled step would remove).
 
@@ -17,16 +19,25 @@ import torch
 
 from kvlm.bench.measure import bench_decode
 from kvlm.bench.timing import best_time
+from kvlm.inference.generation import packs_for
 from kvlm.model import KVLM
 
 
 def lm_head_ms(model: KVLM, batch: int, repeats: int = 5) -> float:
-    """Best time (ms) of the final norm + LM head on (batch, 1, d_model) hidden states."""
-    p = model.lm_head.weight
+    """Best time (ms) of the final norm + LM head on (batch, 1, d_model) hidden states, with the LM head packed
+    for ``batch`` rows where the decode step packs it (``packs_for``); the head's packing is restored after."""
+    head = model.lm_head
+    p = head.weight
     x = torch.randn(batch, 1, model.cfg.d_model, device=p.device, dtype=p.dtype)
-    with torch.inference_mode():
-        model.lm_head(model.norm(x))  # warm-up
-        return best_time(lambda: model.lm_head(model.norm(x)), p.device, repeats) * 1e3
+    saved = head._packed
+    if packs_for(model, batch):
+        head.pack_for_decode(batch)
+    try:
+        with torch.inference_mode():
+            head(model.norm(x))  # warm-up
+            return best_time(lambda: head(model.norm(x)), p.device, repeats) * 1e3
+    finally:
+        head._packed = saved
 
 
 def base_times(

@@ -6,6 +6,15 @@ compute the same function (``max_logit_diff`` checks it), and generating through
 (``DynamicCache``). Which peer a mechanism has is its ``Attention.hf_peer`` (a transformers model_type, the key
 of ``PEERS``). transformers is an optional extra (``pip install 'kvlm[hf]'``); without it
 ``build_peer`` raises ``PeerUnavailable`` with the reason.
+
+``build_peer(model, paged=True)`` builds the peer for transformers' continuous batching (its paged cache). That
+cache has one slot shape for keys and values, ``(num_key_value_heads, config.head_dim)``, and caches per-head
+keys and values; DeepseekV3's MLA has keys of d_h + d_h^R dims, values of d_h, and a config whose ``head_dim``
+is the RoPE width d_h^R (its rotary table is built from it), so nothing fits (``index_copy_(): Source/destination
+tensor must have same slice shapes``). The paged MLA peer therefore pads V as vLLM's early MLA path did
+(``pad_values``: v_head_dim = d_h + d_h^R, kv_b_proj's V rows and o_proj's input columns zero-padded: the same
+function) and sets ``config.head_dim = qk_head_dim`` once the rotary table is built. It pays for the padding (a
+cache of 2 h (d_h + d_h^R) per token and layer, a wider o_proj) that a native paged MLA would not.
 """
 
 from __future__ import annotations
@@ -30,9 +39,10 @@ def transformers_version() -> str | None:
     return transformers.__version__
 
 
-def build_peer(model: KVLM) -> Peer:
+def build_peer(model: KVLM, paged: bool = False) -> Peer:
     """The transformers model computing the same function as ``model`` (weights copied): the one named by
-    the mechanism's ``hf_peer``."""
+    the mechanism's ``hf_peer``; ``paged``: one that transformers' continuous batching can run (see the module
+    docstring: MLA's values padded)."""
     if transformers_version() is None:
         raise PeerUnavailable("transformers is not installed (pip install 'kvlm[hf]')")
     cfg = model.cfg
@@ -44,7 +54,7 @@ def build_peer(model: KVLM) -> Peer:
     kind = get_attention_class(cfg.attention).hf_peer
     if kind not in PEERS:
         raise PeerUnavailable(f"no transformers implementation of {cfg.attention!r}")
-    peer = PEERS[kind](model)
+    peer = PEERS[kind](model, paged)
     p = model.embed.weight
     peer.model.to(device=p.device, dtype=p.dtype).eval()
     return peer
@@ -117,7 +127,7 @@ class LlamaPeer(Peer):
         return [(shape, shape)] * c.num_hidden_layers
 
 
-def _llama_peer(model: KVLM) -> Peer:
+def _llama_peer(model: KVLM, paged: bool = False) -> Peer:  # keys and values of one head size: pages as is
     from transformers import LlamaConfig, LlamaForCausalLM
 
     hf_cfg, state = _exported(llama, model)
@@ -163,18 +173,43 @@ class DeepseekV3Peer(Peer):
         ] * c.num_hidden_layers
 
 
-def _deepseek_v3_peer(model: KVLM) -> Peer:
+def _deepseek_v3_peer(model: KVLM, paged: bool = False) -> Peer:
     """DeepseekV3ForCausalLM with every layer a dense SwiGLU, holding the weights of ``kvlm export-hf --format
-    deepseek-v3`` (kvlm.interop.deepseek_v3: RoPE rows interleaved, kvlm's latent-norm eps and scalings folded)."""
+    deepseek-v3`` (kvlm.interop.deepseek_v3: RoPE rows interleaved, kvlm's latent-norm eps and scalings folded);
+    ``paged``: values padded for transformers' paged cache (module docstring)."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     cfg = model.cfg
     # the export folds these into the weights; a peer stands for a stock DeepSeek model, which has neither
     _require(cfg.latent_norm and not cfg.latent_scaling, "DeepseekV3 always RMS-normalises latents, unscaled")
     hf_cfg, state = _exported(deepseek_v3, model)
+    if paged:
+        hf_cfg, state = pad_values(hf_cfg, state)
     hf = DeepseekV3ForCausalLM(DeepseekV3Config(**hf_cfg))
     _load(hf, state)
-    return DeepseekV3Peer("transformers DeepseekV3ForCausalLM", hf)
+    if not paged:
+        return DeepseekV3Peer("transformers DeepseekV3ForCausalLM", hf)
+    # the paged cache sizes its slots by config.head_dim, which DeepseekV3Config sets to the RoPE width (its
+    # rotary table, already built above, is the only other reader); keys and (padded) values are qk_head_dim wide
+    hf.config.head_dim = hf.config.qk_head_dim
+    return DeepseekV3Peer("transformers DeepseekV3ForCausalLM (V padded)", hf)
+
+
+def pad_values(hf_cfg: dict, state: dict[str, torch.Tensor]) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A DeepseekV3 config and state whose v_head_dim equals qk_head_dim (d_h + d_h^R) and which computes the
+    same function: each head's V rows of kv_b_proj get d_h^R zero rows (zero value dims), and o_proj gets zero
+    input columns for them (they add nothing to the output)."""
+    h, nope, v = hf_cfg["num_attention_heads"], hf_cfg["qk_nope_head_dim"], hf_cfg["v_head_dim"]
+    pad = nope + hf_cfg["qk_rope_head_dim"] - v
+    out = dict(state)
+    for name, w in state.items():
+        if name.endswith("self_attn.kv_b_proj.weight"):  # rows per head: [k_nope (nope); v (v)]
+            w = w.reshape(h, nope + v, -1)
+            out[name] = torch.cat([w, w.new_zeros(h, pad, w.shape[-1])], 1).reshape(h * (nope + v + pad), -1)
+        elif name.endswith("self_attn.o_proj.weight"):  # input columns per head: [v (v)]
+            w = w.reshape(w.shape[0], h, v)
+            out[name] = torch.cat([w, w.new_zeros(w.shape[0], h, pad)], 2).reshape(w.shape[0], h * (v + pad))
+    return {**hf_cfg, "v_head_dim": v + pad}, out
 
 
 # the transformers model_type a mechanism names as its ``hf_peer`` -> the builder of that peer

@@ -7,11 +7,11 @@
 - ``capacity(url, context)``: how many ``context``-token sequences the server's cache pool holds, from the
   engine's own accounting (/metrics: pages, page size, bytes per token); ``demonstrate=True`` then submits that
   many at once and watches /metrics for the peak of sequences running together, with no preemption.
-- ``peer_load(...)``: transformers' continuous batching (the manager behind ``generate_batch``, its paged
-  cache) on the same weights (``kvlm.bench.peers``: LlamaForCausalLM for MHA/GQA, DeepseekV3ForCausalLM for
-  MLA), the same prompts, the same closed loop of C requests in flight, a cache of the same bytes.
-  transformers has no peer for MLRA, and its continuous batching cannot hold DeepseekV3's MLA cache (per-head
-  keys of d_h + d_h^R dims, values of d_h: its pages assume one head size): the table shows the error it raises.
+- ``kvlm.bench.serve_inprocess``: the same closed loop without HTTP, for kvlm's engine (``engine_load``) and
+  for transformers' continuous batching (``peer_load``: the manager behind ``generate_batch``, its paged cache,
+  on the same weights), so that the two are compared on equal terms.
+- ``kvlm.bench.serve_hf``: ``transformers serve --continuous-batching`` on an exported folder, measured over
+  HTTP by this module's client.
 - ``start_server(spec, ...)`` runs ``kvlm serve`` in a subprocess on a free 127.0.0.1 port, so client and
   server do not share an interpreter.
 """
@@ -151,10 +151,12 @@ async def _one_request(http, model: str, prompt: list[int], output_len: int, ttf
     return n
 
 
-async def _load(url: str, concurrency: int, prompts: list[list[int]], output_len: int) -> dict:
+async def _load(url: str, concurrency: int, prompts: list, output_len: int, model: str | None = None,
+                one=_one_request) -> dict:  # fmt: skip
+    """The closed loop: ``concurrency`` clients sending ``one(http, model, prompt, ...)`` until prompts run out."""
     import httpx
 
-    model = model_name(url)
+    model = model or model_name(url)
     todo = list(enumerate(prompts))
     ttft, itl, done = [], [], []
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
@@ -162,7 +164,7 @@ async def _load(url: str, concurrency: int, prompts: list[list[int]], output_len
     async def client(http):
         while todo:
             _, prompt = todo.pop()
-            done.append(await _one_request(http, model, prompt, output_len, ttft, itl))
+            done.append(await one(http, model, prompt, output_len, ttft, itl))
 
     async with httpx.AsyncClient(base_url=url, timeout=None, limits=limits) as http:
         t0 = time.perf_counter()
@@ -252,81 +254,6 @@ def _demonstrate(url: str, n: int, context: int, max_tokens: int, poll_s: float)
     }
 
 
-# --- the transformers peer ----------------------------------------------------------------------------------
-def peer_load(model, concurrency: int, *, prompt_len: int, output_len: int, rounds: int, cache_bytes: int,
-              page_size: int = 16, seed: int = 0) -> dict:  # fmt: skip
-    """transformers' continuous batching on ``model``'s weights, driven as run_load drives the server: the same
-    prompts, ``concurrency`` requests in flight (a new one is added as one finishes), a paged cache of
-    ``cache_bytes``. In-process, so the peer pays no HTTP; its manager is started before the clock starts."""
-    from transformers import GenerationConfig
-    from transformers.generation.configuration_utils import ContinuousBatchingConfig
-    from transformers.generation.continuous_batching.utils import WorkloadHints
-
-    from kvlm.bench.peers import build_peer
-
-    peer = build_peer(model)
-    hf = peer.model
-    c = hf.config
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    kv_dims = 2 * c.num_key_value_heads * head_dim
-    if hasattr(c, "qk_rope_head_dim"):  # DeepseekV3 caches per-head keys (nope + rope) and values
-        kv_dims = c.num_attention_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim)
-    per_token = kv_dims * c.num_hidden_layers * next(hf.parameters()).element_size()
-    cb = ContinuousBatchingConfig(
-        page_size=page_size, num_blocks=max(1, cache_bytes // (per_token * page_size)),
-        max_requests_per_batch=concurrency, allow_block_sharing=False,
-        # tokens per forward as kvlm's engine (a prefill chunk of 256 + the decodes); left to itself transformers
-        # sizes it from the pool and, for a small per-token cache, asks for more memory than the machine has
-        max_batch_tokens=max(256, prompt_len) + concurrency,
-    )  # fmt: skip
-    gen = GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    prompts = make_prompts(concurrency * rounds, prompt_len, seed)
-    hints = WorkloadHints(
-        max_prompt_length=prompt_len, max_generated_length=output_len, num_requests=len(prompts)
-    )
-    outs = []
-    with hf.continuous_batching_context_manager(generation_config=gen, continuous_batching_config=cb, block=True,
-                                                timeout=5, warmup=False, workload_hints=hints) as manager:  # fmt: skip
-        # one untimed request first, as warmup() does for the server
-        manager.add_request(make_prompts(1, prompt_len, seed=12345)[0], max_new_tokens=output_len)
-        while not (w := manager.get_result(timeout=600)) or not w.is_finished():
-            if w is None and not manager.is_running():
-                raise ServeBenchError("transformers' continuous batching thread stopped")
-            if w is not None and getattr(w, "error", None):
-                raise ServeBenchError(f"transformers continuous batching failed: {str(w.error)[:300]}")
-        todo = list(prompts)
-        t0 = time.perf_counter()
-
-        def submit():
-            manager.add_request(todo.pop(), max_new_tokens=output_len, record_timestamps=True)
-
-        for _ in range(min(concurrency, len(todo))):
-            submit()
-        while len(outs) < len(prompts):
-            out = manager.get_result(timeout=60)
-            if out is None:
-                if not manager.is_running():
-                    raise ServeBenchError("transformers' continuous batching thread stopped")
-                continue
-            if getattr(out, "error", None):
-                raise ServeBenchError(f"transformers continuous batching failed: {str(out.error)[:300]}")
-            if out.is_finished():
-                outs.append(out)
-                if todo:
-                    submit()
-        wall = time.perf_counter() - t0
-    ttft, itl, tokens = [], [], 0
-    for o in outs:
-        tokens += len(o.generated_tokens)
-        ts = list(o.timestamps or [])
-        if ts:
-            ttft.append(ts[0] - o.created_time)
-            itl.extend(np.diff(ts).tolist())
-    result = summarize(ttft, itl, tokens, len(outs), wall)
-    result.update(concurrency=concurrency, peer=f"transformers CB ({type(hf).__name__})")
-    return result
-
-
 # --- report -----------------------------------------------------------------------------------------------
 def _f(x, digits=1):
     return "-" if x is None else f"{x:.{digits}f}"
@@ -340,12 +267,12 @@ def markdown(result: dict) -> str:
     for row in result.get("load", []):
         if "error" in row:
             lines.append(f"| {row['variant']} | {row['engine']} | {row.get('concurrency', '-')} | "
-                         f"{row['error'][:100]} | | | | |")  # fmt: skip
+                         f"{row['error'][:200]} | | | | |")  # fmt: skip
             continue
         lines.append(
             f"| {row['variant']} | {row['engine']} | {row['concurrency']} | {_f(row['tokens_per_s'])} | "
             f"{_f(row['requests_per_s'], 2)} | {_f(row['ttft_p50_ms'])} / {_f(row['ttft_p99_ms'])} | "
-            f"{_f(row['itl_p50_ms'])} / {_f(row['itl_p99_ms'])} | {int(row.get('preemptions') or 0)} |"
+            f"{_f(row['itl_p50_ms'])} / {_f(row['itl_p99_ms'])} | {_f(row.get('preemptions'), 0)} |"
         )
     if result.get("capacity"):
         ctx = result["capacity"][0]["context"]

@@ -90,23 +90,26 @@ def time_decode(new_cache, step, device, warmup: int, steps: int, budget_s=None)
     """Per-step latency of ``tok = step(tok, cache)`` on the cache ``new_cache()`` returns (with its KV bytes).
     The first step is untimed (the first warm-up step; an extra one when ``warmup`` is 0) and its FLOPs are
     counted: the cache needs room for ``max(warmup, 1) + steps`` new tokens."""
-    with PeakMemory(device) as mem:
+    with PeakMemory(device) as mem:  # the cache and the first step, whose temporaries every step repeats
         cache, kv_bytes, tok = new_cache()
         sync(device)
         t0 = time.perf_counter()
         with CountFlops() as flops:
             tok = step(tok, cache)
         sync(device)
-        warmup, steps = fit_to_budget(time.perf_counter() - t0, max(warmup - 1, 0), steps, budget_s)
-        times = []
-        for i in range(warmup + steps):
-            sync(device)
-            t0 = time.perf_counter()
-            tok = step(tok, cache)
-            sync(device)
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
-        del cache
+    warmup, steps = fit_to_budget(time.perf_counter() - t0, max(warmup - 1, 0), steps, budget_s)
+    # the timed steps run without PeakMemory's sampling thread: waking every 2 ms, it takes a core from the
+    # OpenMP workers when they use every core; the usage is read between steps instead
+    times = []
+    for i in range(warmup + steps):
+        sync(device)
+        t0 = time.perf_counter()
+        tok = step(tok, cache)
+        sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+        mem.observe()
+    del cache
     row = summarize(times)
     row.update(
         kv_cache_bytes=kv_bytes,

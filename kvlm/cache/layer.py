@@ -127,6 +127,10 @@ class ContiguousLayer(CacheLayer):
     def __init__(self, spec, batch_size, max_seq_len, dtype, naive, token_ids=None, device="cpu", pad=None):
         super().__init__(spec, batch_size, max_seq_len, dtype, naive, token_ids)
         self._pad = pad  # (B,) left padding, shared with the model cache (the start of each sequence's keys)
+        # block_view's block table, arange(B)[:, None] int32 (one page per sequence, never changes), and the
+        # (step, start, end) of its last step, shared by the layer's tensors
+        self._table: torch.Tensor | None = None
+        self._view_step: tuple | None = None
         self.buffers: dict[str, torch.Tensor] = {}
         for name, shape in self.spec.items():
             *lead, last = shape
@@ -142,17 +146,19 @@ class ContiguousLayer(CacheLayer):
         buf[..., step.start : step.end, :] = value.to(buf.dtype)
 
     def block_view(self, name: str, step: Step) -> BlockView:
-        """One page per sequence, as long as the cache: its keys are slots [left pad, step.end)."""
+        """One page per sequence, as long as the cache: its keys are slots [left pad, step.end). The block table,
+        starts and ends are built once per step and shared by the layer's tensors (fewer small ops per decode
+        step; a kernel sees by identity that K and V lie on the same pages)."""
         buf = self.buffers[name]
         B, device = buf.shape[0], buf.device
-        start = self._pad if self._pad is not None else torch.zeros(B, dtype=torch.long, device=device)
-        return BlockView(
-            pool=buf,
-            block_table=torch.arange(B, dtype=torch.int32, device=device)[:, None],
-            start=start.to(torch.int32),
-            end=torch.full((B,), step.end, dtype=torch.int32, device=device),
-            page_size=self.max_seq_len,
-        )
+        if self._table is None:
+            self._table = torch.arange(B, dtype=torch.int32, device=device)[:, None]
+        if self._view_step is None or self._view_step[0] is not step:
+            start = self._pad if self._pad is not None else torch.zeros(B, dtype=torch.long, device=device)
+            end = torch.full((B,), step.end, dtype=torch.int32, device=device)
+            self._view_step = (step, start.to(torch.int32), end)
+        _, start, end = self._view_step
+        return BlockView(pool=buf, block_table=self._table, start=start, end=end, page_size=self.max_seq_len)
 
     def read(self, name: str, end: int) -> torch.Tensor:
         return self.buffers[name][..., :end, :]

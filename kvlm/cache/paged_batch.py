@@ -1,4 +1,9 @@
-"""One model call's view of a ``PagedKVCache``: the sequences of the batch's rows (``PagedKVCache.batch(ids)``).
+"""One model call's view of a ``PagedKVCache``: which sequences its rows are and how many new tokens each brings.
+
+- ``PagedBatch`` (``PagedKVCache.batch(ids, n_new)``): row b of tokens (B, T) is sequence ids[b]; with ``n_new``
+  the rows are left-padded chunks of different lengths (the padding is never stored).
+- ``PackedBatch`` (``PackedBatch(cache, ids, n_new)``): tokens (sum n_new, 1), one row per new token, a
+  sequence's tokens in consecutive rows: decodes and prompt chunks of any lengths in one call with no padding.
 
 ``model(tokens, cache=view)`` calls ``begin_step`` before the layers (book the pages, place the new tokens, build
 the ragged ``Step``) and ``commit`` after them (the sequences' lengths and their full pages' prefix keys).
@@ -6,6 +11,7 @@ the ragged ``Step``) and ``commit`` after them (the sequences' lengths and their
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING
 
 import torch
@@ -16,6 +22,30 @@ from kvlm.errors import CacheError
 if TYPE_CHECKING:
     from kvlm.attention.step import Step
     from kvlm.cache.paged import PagedKVCache
+
+
+def _check(
+    cache: PagedKVCache, seq_ids: list, n_new: list[int], tokens: torch.Tensor, dtype, fits, view
+) -> list:
+    """The checks every view makes before it writes anything (dtype, device, lengths, free pages); the
+    sequences' states, in the order of ``seq_ids``."""
+    if dtype != cache.dtype:
+        raise CacheError(f"model computes in {dtype} but the cache holds {cache.dtype}")
+    if torch.device(tokens.device).type != cache.device.type:
+        raise CacheError(f"inputs on {tokens.device} but the cache is on {cache.device}")
+    if not cache.fits_checked and fits is not None:
+        fits(view)
+        cache.fits_checked = True
+    seqs = [cache.seqs[s] for s in seq_ids]
+    for sid, seq, n in zip(seq_ids, seqs, n_new):
+        if seq.length + n > cache.max_seq_len:
+            raise CacheError(
+                f"sequence {sid!r}: {seq.length} cached + {n} new tokens exceed max_seq_len={cache.max_seq_len}"
+            )
+    need = sum(cache.pages_needed(s, n) for s, n in zip(seq_ids, n_new))
+    if need > cache.num_free_pages:
+        raise OutOfPages(f"this step needs {need} new pages, {cache.num_free_pages} are free")
+    return seqs
 
 
 class PagedBatch:
@@ -40,25 +70,10 @@ class PagedBatch:
             raise CacheError(
                 f"batch of {B} sequences does not match the {len(self.seq_ids)} ids of this view"
             )
-        if dtype != cache.dtype:
-            raise CacheError(f"model computes in {dtype} but the cache holds {cache.dtype}")
-        if torch.device(tokens.device).type != cache.device.type:
-            raise CacheError(f"inputs on {tokens.device} but the cache is on {cache.device}")
-        if not cache.fits_checked and fits is not None:
-            fits(self)
-            cache.fits_checked = True
-        seqs = [cache.seqs[s] for s in self.seq_ids]
         n_new = self.n_new if self.n_new is not None else [T] * B
         if max(n_new) > T:
             raise CacheError(f"n_new={n_new} counts more new tokens than the {T} columns of tokens")
-        for sid, seq, n in zip(self.seq_ids, seqs, n_new):
-            if seq.length + n > cache.max_seq_len:
-                raise CacheError(
-                    f"sequence {sid!r}: {seq.length} cached + {n} new tokens exceed max_seq_len={cache.max_seq_len}"
-                )
-        need = sum(cache.pages_needed(s, n) for s, n in zip(self.seq_ids, n_new))
-        if need > cache.num_free_pages:
-            raise OutOfPages(f"this step needs {need} new pages, {cache.num_free_pages} are free")
+        seqs = _check(cache, self.seq_ids, n_new, tokens, dtype, fits, self)
         for seq, n in zip(seqs, n_new):
             cache._reserve(seq, n)
         cache.index = idx = cache._build_index(seqs, T, self.n_new)
@@ -85,4 +100,82 @@ class PagedBatch:
             self.cache._register_full_pages(seq)
 
 
-__all__ = ["PagedBatch"]
+class _Row:
+    """One row of a packed call as ``PagedKVCache._build_index`` sees a sequence: the tokens before it and the
+    page list of its sequence (shared by all that sequence's rows)."""
+
+    __slots__ = ("length", "pages")
+
+    def __init__(self, length: int, pages: list[int]):
+        self.length = length
+        self.pages = pages
+
+
+class PackedBatch:
+    """The new tokens of several sequences as one call of one-token rows: tokens (sum n_new, 1), sequence
+    ``seq_ids[i]`` in ``n_new[i]`` consecutive rows, one per new token, in order.
+
+    This is the flat varlen batch of vLLM V1 and SGLang written as a batch of one-token rows, so decodes (one
+    token) and prompt chunks (n tokens) of any lengths run in one forward with no padding, and every mechanism
+    and decode kernel runs its one-token route unchanged: row r of sequence s sits at position len_s + r and
+    sees keys [0, len_s + r]; these include the earlier rows of s because each layer stores all rows' tensors
+    before it attends (``append`` = store, then read; the kernels ``store``, then read in place). The logits
+    come out per row; a sequence's next token is read from its last row (``last_rows``)."""
+
+    def __init__(self, cache: PagedKVCache, seq_ids: list, n_new: list[int]):
+        for s in seq_ids:
+            cache._seq(s)
+        if len(set(seq_ids)) != len(seq_ids):
+            raise CacheError(f"a sequence appears twice in one packed batch: {list(seq_ids)}")
+        n_new = [int(n) for n in n_new]
+        if len(n_new) != len(seq_ids) or min(n_new, default=1) < 1:
+            raise CacheError(f"n_new needs one count >= 1 per sequence, got {n_new} for {len(seq_ids)}")
+        self.cache = cache
+        self.seq_ids = list(seq_ids)
+        self.n_new = n_new
+        self.layers = cache.layers
+        self.specs = cache.specs
+        self.mode = cache.mode
+
+    @property
+    def last_rows(self) -> list[int]:
+        """The row of each sequence's last new token, in the order of ``seq_ids``."""
+        return [end - 1 for end in itertools.accumulate(self.n_new)]
+
+    def begin_step(self, tokens: torch.Tensor, dtype: torch.dtype, mode: str = "auto", trace=None, fits=None):
+        """As ``PagedBatch.begin_step``, for tokens of shape (sum n_new, 1)."""
+        from kvlm.attention.step import Step  # the attention layer sits above the cache in the layering
+
+        cache = self.cache
+        R = sum(self.n_new)
+        if tuple(tokens.shape) != (R, 1):
+            raise CacheError(
+                f"a packed batch of {self.n_new} new tokens takes tokens of shape ({R}, 1), "
+                f"got {tuple(tokens.shape)}"
+            )
+        seqs = _check(cache, self.seq_ids, self.n_new, tokens, dtype, fits, self)
+        for seq, n in zip(seqs, self.n_new):
+            cache._reserve(seq, n)  # before the rows take their page lists (a copy on write replaces a page)
+        rows = [_Row(seq.length + r, seq.pages) for seq, n in zip(seqs, self.n_new) for r in range(n)]
+        cache.index = idx = cache._build_index(rows, 1)
+        if mode == "auto" and cache.mode == "naive":
+            mode = "naive"
+        lens = torch.tensor([row.length for row in rows], dtype=torch.long)
+        step = Step.build_ragged(tokens, lens, mode, trace)
+        if cache.token_pool is not None:
+            cache.token_pool[idx.write_pages, idx.write_offs] = tokens.reshape(-1)
+            step.cached_token_ids = cache.layers[0].token_ids(idx.end)
+        return step
+
+    def commit(self, step: Step) -> None:
+        ids = step.token_ids.reshape(-1).tolist()
+        i = 0
+        for sid, n in zip(self.seq_ids, self.n_new):
+            seq = self.cache.seqs[sid]
+            seq.length += n
+            seq.tokens.extend(ids[i : i + n])
+            i += n
+            self.cache._register_full_pages(seq)
+
+
+__all__ = ["PackedBatch", "PagedBatch"]

@@ -4,9 +4,13 @@ For each variant (an attention at the bench reference shape, a preset, or a chec
 in a subprocess with the cache pool fixed in bytes, runs C concurrent streaming clients for each C of
 ``--concurrency`` (kvlm.bench.serve.run_load), measures how many ``--capacity-context``-token sequences the pool
 holds for each ``--kv-dtypes`` (``--capacity-demo`` also admits them), and runs transformers' ``generate_batch``
-on the same weights and prompts. ``--url`` measures a server that is already running instead.
+on the same weights and prompts (in-process: kvlm.bench.serve_inprocess). ``--in-process`` also drives kvlm's
+engine in-process, beside the peer, so that neither pays HTTP; ``--hf-serve`` also measures ``transformers serve
+--continuous-batching`` over HTTP on the exported folder (kvlm.bench.serve_hf). ``--url`` measures a server that
+is already running instead.
 
     kvlm bench-serve --variants mha,gqa,mla,mlra-4 --concurrency 1,8,32,64 --cache-bytes 2GiB --out runs/serve.json
+    kvlm bench-serve --variants mla --concurrency 1,8,32 --in-process --no-http --no-capacity   # engines only
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ from pathlib import Path
 from kvlm.cli.common import parse_int_list, parse_overrides
 from kvlm.cli.serve import parse_bytes
 from kvlm.config import ConfigError
+from kvlm.logs import get_logger
 
+log = get_logger("kvlm.cli.bench_serve")
 CAPACITY_BATCH = 4096  # max batch / queue of the capacity servers: larger than any pool's sequence count
 
 
@@ -48,6 +54,11 @@ def add_arguments(p) -> None:
     p.add_argument("--capacity-demo", action="store_true",
                    help="admit the computed number of sequences at once and record the peak (prefills them all)")  # fmt: skip
     p.add_argument("--no-peers", action="store_true", help="skip transformers' continuous batching")
+    p.add_argument("--in-process", action="store_true",
+                   help="also run kvlm's engine in-process (no HTTP), beside the in-process peer")  # fmt: skip
+    p.add_argument("--no-http", action="store_true", help="skip kvlm serve over HTTP (load rows)")
+    p.add_argument("--hf-serve", action="store_true",
+                   help="also measure `transformers serve --continuous-batching` over HTTP on the exported folder")  # fmt: skip
     p.add_argument("--no-load", action="store_true", help="capacity only")
     p.add_argument("--no-capacity", action="store_true", help="throughput and latency only")
     p.add_argument("--device", default=None, help="server device (default: cuda if available, else cpu)")
@@ -73,13 +84,9 @@ def _spec(variant: str, fields: dict, context: int) -> str:
 
 
 def main(args) -> int:
-    import torch
 
     from kvlm.bench import serve as sb
-    from kvlm.bench.peers import PeerUnavailable
-    from kvlm.logs import get_logger
 
-    log = get_logger("kvlm.cli.bench_serve")
     conc = parse_int_list(args.concurrency, "concurrency")
     kv_dtypes = [k.strip() for k in args.kv_dtypes.split(",") if k.strip()]
     if not kv_dtypes:
@@ -101,7 +108,7 @@ def main(args) -> int:
         for c in conc:
             log.info("%s: %d clients", variant, c)
             row = sb.run_load(url, c, **load_kw)
-            result["load"].append({"variant": variant, "engine": f"kvlm ({kv})", **row})
+            result["load"].append({"variant": variant, "engine": f"kvlm ({kv}), HTTP", **row})
 
     def cap(url: str, variant: str, kv: str):
         log.info("%s: capacity (%s)", variant, kv)
@@ -126,7 +133,7 @@ def main(args) -> int:
     else:
         for variant in [v.strip() for v in args.variants.split(",") if v.strip()]:
             spec = _spec(variant, fields, context)
-            if not args.no_load:
+            if not args.no_load and not args.no_http:
                 proc, url = server(
                     spec, variant, kv_dtypes[0], args.max_batch, max(conc) * args.rounds + 8, "load"
                 )
@@ -142,8 +149,8 @@ def main(args) -> int:
                     cap(url, variant, kv)
                 finally:
                     sb.stop_server(proc)
-            if not args.no_peers and not args.no_load:
-                _peers(sb, spec, variant, conc, load_kw, cache_bytes, args, result, PeerUnavailable, torch)
+            if not args.no_load and (args.in_process or not args.no_peers or args.hf_serve):
+                _in_process(spec, variant, conc, load_kw, cache_bytes, kv_dtypes[0], args, result, logs)
     text = sb.markdown(result)
     print(text)
     if args.markdown:
@@ -156,7 +163,19 @@ def main(args) -> int:
     return 0
 
 
-def _peers(sb, spec, variant, conc, load_kw, cache_bytes, args, result, PeerUnavailable, torch) -> None:
+def _error_row(variant: str, engine: str, c, e: Exception) -> dict:
+    return {"variant": variant, "engine": engine, "concurrency": c, "error": f"{type(e).__name__}: {e}"}
+
+
+def _in_process(spec, variant, conc, load_kw, cache_bytes, kv, args, result, logs) -> None:
+    """For each C: kvlm's engine in-process (``--in-process``), then transformers' continuous batching on the
+    same weights (unless ``--no-peers``), back to back so that both see the same machine; then transformers
+    serve over HTTP (``--hf-serve``)."""
+    import torch
+
+    from kvlm.bench import serve_inprocess as ip
+    from kvlm.bench.peers import PeerUnavailable, build_peer
+    from kvlm.bench.serve import ServeBenchError
     from kvlm.serve.launch import load_served_model
 
     if args.threads:
@@ -164,14 +183,67 @@ def _peers(sb, spec, variant, conc, load_kw, cache_bytes, args, result, PeerUnav
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else None  # what kvlm serve uses
     model = load_served_model(spec, seed=args.seed, device=device, dtype=dtype).model
+    peer, peer_error = None, None
+    if not args.no_peers or args.hf_serve:
+        try:  # before the engine prepares the model for inference: the peer copies its plain weights
+            peer = build_peer(model, paged=True)
+        except PeerUnavailable as e:
+            peer_error = e
+    engine_kw = dict(page_size=args.page_size, max_batch=args.max_batch, prefill_chunk=args.prefill_chunk,
+                     kv_dtype=None if kv == "auto" else kv)  # fmt: skip
+    rows = result["load"]
     for c in conc:
-        try:
-            row = sb.peer_load(model, c, cache_bytes=cache_bytes, page_size=args.page_size, **load_kw)
-        except (PeerUnavailable, sb.ServeBenchError, RuntimeError) as e:
-            result["load"].append({"variant": variant, "engine": "transformers", "concurrency": c,
-                                   "error": f"{type(e).__name__}: {e}"})  # fmt: skip
-            if isinstance(e, PeerUnavailable):
-                break
+        if args.in_process:
+            log.info("%s: %d requests in flight, kvlm in-process", variant, c)
+            row = ip.engine_load(model, c, cache_bytes=cache_bytes, **engine_kw, **load_kw)
+            rows.append({"variant": variant, "engine": f"kvlm ({kv}), in-process", **row})
+        if args.no_peers:
             continue
-        result["load"].append({"variant": variant, "engine": row.pop("peer"), **row})
-    del model
+        if peer is None:
+            rows.append(_error_row(variant, "transformers", c, peer_error))
+            continue
+        log.info("%s: %d requests in flight, transformers in-process", variant, c)
+        try:
+            row = ip.peer_load(
+                model, c, cache_bytes=cache_bytes, page_size=args.page_size, peer=peer, **load_kw
+            )
+        except (ServeBenchError, RuntimeError) as e:
+            rows.append(_error_row(variant, "transformers CB, in-process", c, e))
+            continue
+        rows.append({"variant": variant, "engine": row.pop("peer") + ", in-process", **row})
+    if args.hf_serve:
+        _hf_serve(peer, peer_error, model, variant, conc, load_kw, cache_bytes, args, rows, logs, device)
+    del model, peer
+
+
+def _hf_serve(peer, peer_error, model, variant, conc, load_kw, cache_bytes, args, rows, logs, device) -> None:
+    import tempfile
+
+    from kvlm.bench import serve_hf
+    from kvlm.bench.serve import ServeBenchError, stop_server
+
+    engine = "transformers serve CB"
+    if peer is None:
+        rows.append(_error_row(variant, engine + ", HTTP", "all", peer_error))
+        return
+    elem = next(model.parameters()).element_size()
+    with tempfile.TemporaryDirectory(prefix="kvlm-hf-serve-") as tmp:
+        # the stock export (what `kvlm export-hf` writes); the padded MLA peer cannot be saved (kvlm.bench.serve_hf)
+        folder = serve_hf.export_folder(model, Path(tmp) / variant.replace("/", "_"))
+        log_path = logs / f"{variant.replace('/', '_')}-transformers-serve.log" if logs else None
+        proc, url, model_id = serve_hf.start_hf_server(
+            folder, cache_bytes=cache_bytes, page_size=args.page_size, element_size=elem, device=device,
+            max_batch_tokens=max(256, args.prompt_len) + max(conc), threads=args.threads, log_path=log_path,
+        )  # fmt: skip
+        try:
+            serve_hf.hf_warmup(url, model_id, prompt_len=args.prompt_len, output_len=args.output_len)
+            for c in conc:
+                log.info("%s: %d clients, transformers serve", variant, c)
+                row = serve_hf.hf_run_load(url, model_id, c, **load_kw)
+                rows.append(
+                    {"variant": variant, "engine": f"{engine} ({type(peer.model).__name__}), HTTP", **row}
+                )
+        except ServeBenchError as e:
+            rows.append(_error_row(variant, engine + ", HTTP", "all", e))
+        finally:
+            stop_server(proc)

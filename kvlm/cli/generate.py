@@ -28,7 +28,7 @@ def add_arguments(p) -> None:
     p.add_argument("--top-p", type=finite_float, default=None, help="nucleus sampling mass (default: off)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: unseeded)")
     p.add_argument("--mode", choices=MODES, default="auto", help="attention route for prefill and decode")
-    p.add_argument("--no-stop", action="store_true", help="do not stop at the tokenizer's end-of-text token")
+    p.add_argument("--no-stop", action="store_true", help="do not stop at the model's stop tokens (end of text, a chat model's end of turn)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="default: bfloat16 on cuda, float32 on cpu")  # fmt: skip
@@ -85,7 +85,7 @@ def main(args) -> int:
             top_k=args.top_k,
             top_p=args.top_p,
             seed=args.seed,
-            stop_tokens=None if args.no_stop or eos is None else [eos],
+            stop_tokens=None if args.no_stop or eos is None else getattr(tokenizer, "stop_ids", [eos]),
             callback=on_step if stream else None,
             mode=args.mode,
             return_stats=True,

@@ -58,6 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force", action="store_true",
                    help="replace OUT if it holds a kvlm checkpoint without training state (never anything else)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="the last stdout line is a JSON object")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bars or lines (calibration, conversion, perplexity)")  # fmt: skip
 
 
 def main(args) -> int:
@@ -88,15 +90,16 @@ def main(args) -> int:
             raise ConvertError("--mla: a DeepseekV3 source is already MLA (it imports as kvlm's mla)")
     hf_model, hf_tok = load_hf_llama(args.source, args.gguf_file)
     model = (deepseek_v3.import_deepseek_v3 if deepseek else import_llama)(hf_model, args.max_seq_len)
+    generation_config = getattr(hf_model, "generation_config", None)  # its eos ids: stop tokens
     del hf_model
-    tok = kvlm_tokenizer(hf_tok) if hf_tok is not None else None
+    tok = kvlm_tokenizer(hf_tok, generation_config) if hf_tok is not None else None
     result: dict = {"source": str(args.source), "attention": model.cfg.attention}
     eval_windows = None
     if args.eval_data:
         if tok is None:
             raise ConvertError("--eval-data needs the source's tokenizer")
         eval_windows = text_tokens(args.eval_data, tok, args.eval_tokens, args.seq_len)
-        result["perplexity_before"] = window_perplexity(model, eval_windows)
+        result["perplexity_before"] = window_perplexity(model, eval_windows, progress=not args.no_progress)
     if args.mla:
         calib = None
         if args.calib_data:
@@ -105,15 +108,16 @@ def main(args) -> int:
             calib = text_tokens(args.calib_data, tok, args.calib_tokens, args.seq_len)
         src_cfg = model.cfg
         model = gqa_to_mla(
-            model, args.kv_lora_rank, args.rope_head_dim, calib, rope_kv_heads=args.rope_kv_heads
+            model, args.kv_lora_rank, args.rope_head_dim, calib, rope_kv_heads=args.rope_kv_heads,
+            progress=not args.no_progress,
         )
         result.update(convert_report(src_cfg, model.cfg))
         result["attention"] = "mla"
         if eval_windows is not None:
-            result["perplexity_after"] = window_perplexity(model, eval_windows)
+            result["perplexity_after"] = window_perplexity(model, eval_windows, progress=not args.no_progress)
     meta = {"imported_from": str(args.source)}
     if hf_tok is not None:  # special-token roles, chat template: for export-hf (kvlm.interop.tokenizer_meta)
-        meta[META_KEY] = settings_from_hf(hf_tok)
+        meta[META_KEY] = settings_from_hf(hf_tok, generation_config)
     save_checkpoint(args.out, model, tok, meta=meta)
     result["out"] = str(args.out)
     if args.json:

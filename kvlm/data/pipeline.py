@@ -203,10 +203,25 @@ def _prepare_into(
         "train": ShardWriter(folder, "train", dtype, max_tokens, shard_tokens),
         "val": ShardWriter(folder, "val", dtype, val_tokens, shard_tokens),
     }
-    total = None if max_tokens is None else max_tokens + (val_tokens or 0)
-    # kvlm.progress: a bar on a terminal, else periodic log lines (rate; ETA when the caps give a total)
-    bar = Progress(total, "prepare", "tok", unit_scale=True, enabled=progress)
+    # kvlm.progress: a bar on a terminal, else periodic log lines with rate and ETA. With a token cap the bar
+    # counts tokens; without one, text bytes against the input files' size (.txt / .jsonl: within the JSON
+    # syntax of a .jsonl, a few per cent, the bar ends short of 100 %), so an uncapped run has an ETA too
+    input_bytes = None if max_tokens is not None else _text_file_bytes(sources + val_sources)
+    by_bytes = input_bytes is not None
+    total = input_bytes if by_bytes else None if max_tokens is None else max_tokens + (val_tokens or 0)
+    bar = Progress(total, "prepare", "B" if by_bytes else "tok", unit_scale=True, enabled=progress)
+    tokens_done = [0]
     eos = np.array([tok.eos_id], dtype=np.int64)
+
+    def advance(text: str, n_tokens: int) -> None:
+        """One document read (``n_tokens`` of it kept) on the bar."""
+        if not by_bytes:
+            if n_tokens:
+                bar.update(n_tokens)
+            return
+        tokens_done[0] += n_tokens
+        bar.set_postfix({"tokens": f"{tokens_done[0]:,}"})
+        bar.update(len(text.encode("utf-8", "surrogatepass")))
 
     def batch_chars() -> int:
         """Characters to encode at once: big batches keep the parallel encoder busy, but near a cap
@@ -229,24 +244,25 @@ def _prepare_into(
         n = writer.add(np.concatenate([np.asarray(ids, dtype=np.int64), eos]))
         if n:
             counts[i][split] += 1
-            bar.update(n)
+        advance(text, n)
 
     def consume(items: Iterable[tuple[str, int, str]], done: Callable[[], bool]) -> None:
         batch: list[tuple[str, int, str]] = []
         chars = 0
 
         def flush() -> None:
-            for (split, i, _), ids in zip(batch, tok.encode_batch([t for _, _, t in batch])):
+            for (split, i, text), ids in zip(batch, tok.encode_batch([t for _, _, t in batch])):
                 n = writers[split].add(np.concatenate([np.asarray(ids, dtype=np.int64), eos]))
                 if n:
                     counts[i][split] += 1
-                    bar.update(n)
+                advance(text, n)
             batch.clear()
 
         for item in items:
             if writers[item[0]].full:
                 if done():
                     break
+                advance(item[2], 0)  # read past a full split: still read
                 continue
             if writers[item[0]].cap is not None and len(item[2]) > PIECE_CHARS:
                 flush()  # keep the documents' order
@@ -324,3 +340,15 @@ def load_or_prepare(
     if path.is_dir() and (path / "meta.json").is_file():
         return load_prepared(path)
     return prepare(source, out_dir, **kw)
+
+
+def _text_file_bytes(sources: list[Source]) -> int | None:
+    """Total size of the sources' files when all are local .txt / .jsonl files (whose text is about their size),
+    else None (a generator, a Hugging Face dataset, compressed parquet)."""
+    total = 0
+    for src in sources:
+        files = src.info.get("files") if src.kind == "local" else None
+        if not files or any(not name.lower().endswith((".txt", ".jsonl")) for name in files):
+            return None
+        total += sum(int(f.get("bytes", 0)) for f in files.values())
+    return total or None

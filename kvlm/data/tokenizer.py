@@ -23,6 +23,7 @@ ids as the whole; ``encode_pieces`` yields them so that a caller can stop early 
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -45,7 +46,9 @@ class TokenizerError(ValueError):
 class Tokenizer:
     """A tokenizers.Tokenizer (``.backend``) with the few calls kvlm needs."""
 
-    def __init__(self, backend, eos_token: str = EOS_TOKEN, kind: str = "bpe"):
+    def __init__(
+        self, backend, eos_token: str = EOS_TOKEN, kind: str = "bpe", stop_tokens: Iterable[str] = ()
+    ):
         self.backend = backend
         self.eos_token = eos_token
         self.kind = kind
@@ -53,7 +56,18 @@ class Tokenizer:
         if eos_id is None:
             raise TokenizerError(f"tokenizer has no end-of-text token {eos_token!r}")
         self.eos_id: int = eos_id
+        # the tokens a model declares as ending its output (a chat model's end-of-turn <|im_end|> besides the
+        # document end <|endoftext|>): generate and the serve engine stop at any of them
+        self.stop_tokens: list[str] = list(dict.fromkeys([eos_token, *stop_tokens]))
+        missing = [t for t in self.stop_tokens if backend.token_to_id(t) is None]
+        if missing:
+            raise TokenizerError(f"tokenizer has no stop token {missing[0]!r}")
         self._text_encoder = None  # built on first use by _encoder
+
+    @property
+    def stop_ids(self) -> list[int]:
+        """Ids of ``stop_tokens``, the end-of-text id first."""
+        return [self.backend.token_to_id(t) for t in self.stop_tokens]
 
     @property
     def vocab_size(self) -> int:
@@ -116,7 +130,8 @@ class Tokenizer:
         return path
 
     def __repr__(self) -> str:
-        return f"Tokenizer(kind={self.kind!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
+        stops = f", stop_ids={self.stop_ids}" if len(self.stop_tokens) > 1 else ""
+        return f"Tokenizer(kind={self.kind!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id}{stops})"
 
 
 def text_pieces(text: str, size: int = PIECE_CHARS) -> Iterator[str]:
@@ -231,7 +246,74 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
         raise TokenizerError(f"cannot read tokenizer {path}: {e}") from e
     vocab = backend.get_vocab(with_added_tokens=True)
     kind = "gpt2" if vocab.get(EOS_TOKEN) == 50256 and backend.get_vocab_size() == 50257 else "bpe"
-    return Tokenizer(backend, EOS_TOKEN, kind=kind)
+    eos = EOS_TOKEN if EOS_TOKEN in vocab else None
+    stops = declared_stop_tokens(path.parent, backend)
+    if eos is None and stops:  # a model without <|endoftext|> (Llama's </s>): its declared eos ends documents
+        eos = stops[0]
+    return Tokenizer(backend, eos or EOS_TOKEN, kind=kind, stop_tokens=stops)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _token_text(value) -> str | None:
+    # tokenizer_config.json writes a special token as a string or as an AddedToken dict {"content": ...}
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def end_of_turn_tokens(chat_template, special_tokens: Iterable[str]) -> list[str]:
+    """The special tokens a chat template writes that end a turn or a text (``<|im_end|>``, ``<|eot_id|>``,
+    ``<end_of_turn>``, ``<|end|>``): a chat model emits one when its reply is done, so generation stops there.
+    transformers leaves this to generation_config.json, which GGUF files and many exports lack."""
+    if isinstance(chat_template, dict):  # named templates
+        chat_template = "\n".join(str(t) for t in chat_template.values())
+    if not isinstance(chat_template, str) or not chat_template:
+        return []
+    out = []
+    for token in special_tokens:
+        low = token.lower()
+        # not <|start_header_id|> / <|end_header_id|>: Llama-3's role header markers, inside a turn
+        if (
+            token in chat_template
+            and ("end" in low or "eot" in low)
+            and not ("start" in low or "header" in low)
+        ):
+            out.append(token)
+    return out
+
+
+def declared_stop_tokens(folder: str | Path, backend) -> list[str]:
+    """The tokens that end generation as the files beside a tokenizer.json declare them, first the eos:
+    a kvlm checkpoint's meta.json (``hf_tokenizer``: ``stop_tokens``, ``eos_token``, kept by ``kvlm import-hf``)
+    or a Hugging Face folder's tokenizer_config.json (``eos_token``, the chat template's end-of-turn token) and
+    generation_config.json (``eos_token_id``, an id or a list). Ids or names the vocabulary lacks are skipped."""
+    folder = Path(folder)
+    names: list[str] = []
+    meta = _read_json(folder / "meta.json")
+    settings = meta.get("hf_tokenizer") if meta.get("format") == "kvlm-checkpoint" else None
+    if isinstance(settings, dict):
+        names += [_token_text(settings.get("eos_token"))]
+        names += [t for t in settings.get("stop_tokens") or [] if isinstance(t, str)]
+    config = _read_json(folder / "tokenizer_config.json")
+    names.append(_token_text(config.get("eos_token")))
+    generation = _read_json(folder / "generation_config.json")
+    ids = generation.get("eos_token_id")
+    for i in ids if isinstance(ids, list) else [ids]:
+        if isinstance(i, int) and not isinstance(i, bool):
+            names.append(backend.id_to_token(i))
+    template = config.get("chat_template")
+    if template is None and (folder / "chat_template.jinja").is_file():
+        template = (folder / "chat_template.jinja").read_text()
+    special = [t.content for t in backend.get_added_tokens_decoder().values() if t.special]
+    names += end_of_turn_tokens(template, special)
+    return [t for t in dict.fromkeys(names) if t is not None and backend.token_to_id(t) is not None]
 
 
 def tokenizer_from_spec(
@@ -255,7 +337,9 @@ __all__ = [
     "EOS_TOKEN",
     "Tokenizer",
     "TokenizerError",
+    "declared_stop_tokens",
     "describe",
+    "end_of_turn_tokens",
     "gpt2_tokenizer",
     "load_tokenizer",
     "train_bpe",

@@ -42,8 +42,10 @@ from kvlm.attention.mha import MultiHeadAttention
 from kvlm.config import ModelConfig
 from kvlm.data.tokenizer import Tokenizer
 from kvlm.inference.evaluation import load_eval_tokens
+from kvlm.interop.tokenizer_meta import stop_tokens_from_hf
 from kvlm.logs import get_logger
 from kvlm.model import KVLM, build_model
+from kvlm.progress import Progress
 
 logger = get_logger(__name__)
 
@@ -192,20 +194,29 @@ def import_llama(hf_model, max_seq_len: int | None = None) -> KVLM:
     return model.eval()
 
 
-def kvlm_tokenizer(hf_tokenizer):
-    """transformers fast tokenizer -> kvlm Tokenizer (its end-of-text token is the model's eos)."""
+def kvlm_tokenizer(hf_tokenizer, generation_config=None):
+    """transformers fast tokenizer -> kvlm Tokenizer (its end-of-text token is <|endoftext|> where the vocabulary
+    has it, else the model's eos). Its stop tokens are all the model declares (``stop_tokens_from_hf``: the eos,
+    ``generation_config``'s eos ids, the chat template's end of turn), so generate stops at SmolLM2-Instruct's
+    <|im_end|>."""
     backend = getattr(hf_tokenizer, "backend_tokenizer", None) or getattr(hf_tokenizer, "_tokenizer", None)
     if backend is None:
         raise ConvertError("the source tokenizer is not a fast (tokenizers-library) tokenizer")
     eos = "<|endoftext|>" if backend.token_to_id("<|endoftext|>") is not None else hf_tokenizer.eos_token
-    return Tokenizer(backend, eos_token=eos)
+    stops = [
+        t for t in stop_tokens_from_hf(hf_tokenizer, generation_config) if backend.token_to_id(t) is not None
+    ]
+    return Tokenizer(backend, eos_token=eos, stop_tokens=stops)
 
 
 # --- calibration --------------------------------------------------------------------------------------------
 @torch.no_grad()
-def attention_input_moments(model: KVLM, tokens: torch.Tensor | None, batch: int = 4) -> list[torch.Tensor]:
+def attention_input_moments(
+    model: KVLM, tokens: torch.Tensor | None, batch: int = 4, progress: bool = False
+) -> list[torch.Tensor]:
     """Per layer E[x x^T] (d x d, float64) of the attention input x (after attn_norm) over ``tokens``
-    (B, T); identity matrices without tokens (then the PCA steps reduce to SVDs of the weights)."""
+    (B, T); identity matrices without tokens (then the PCA steps reduce to SVDs of the weights).
+    ``progress``: a bar over the windows (kvlm.progress)."""
     d = model.cfg.d_model
     if tokens is None:
         return [torch.eye(d, dtype=torch.float64) for _ in model.layers]
@@ -222,8 +233,10 @@ def attention_input_moments(model: KVLM, tokens: torch.Tensor | None, batch: int
 
         hooks.append(layer.attn.register_forward_pre_hook(hook))
     try:
-        for s in range(0, tokens.shape[0], batch):
-            model(tokens[s : s + batch].to(model.embed.weight.device))
+        with Progress(tokens.shape[0], "calibrate", "window", enabled=progress) as bar:
+            for s in range(0, tokens.shape[0], batch):
+                model(tokens[s : s + batch].to(model.embed.weight.device))
+                bar.update(min(batch, tokens.shape[0] - s))
     finally:
         for h in hooks:
             h.remove()
@@ -288,13 +301,15 @@ def gqa_to_mla(
     moments: list[torch.Tensor] | None = None,
     rope_residual: str = "nope",
     rope_kv_heads: int = 1,
+    progress: bool = False,
 ) -> KVLM:
     """Convert a kvlm mha/gqa/mqa model into an MLA model (see the module docstring). ``calib_tokens``
     (B, T) token ids for the activation statistics (or ``moments``, ``attention_input_moments``'s result,
     to reuse them across ranks); neither: weight SVD. rope_residual: what becomes of the kept frequencies'
     key components that the shared k_rope does not carry (g > 1): "nope" (TransMLA: into the NoPE part, no
     rotation) or "drop". rope_kv_heads: n_R RoPE key heads (a divisor of g; n_R = g keeps every kv head's
-    rotary key, exact at full rank). Returns a new float32 model."""
+    rotary key, exact at full rank). ``progress``: bars over the calibration windows and the layers
+    (kvlm.progress). Returns a new float32 model."""
     if rope_residual not in ("nope", "drop"):
         raise ConvertError(f"rope_residual must be 'nope' or 'drop', got {rope_residual!r}")
     src = model.cfg
@@ -308,10 +323,11 @@ def gqa_to_mla(
     order = torch.tensor(nope + kept)  # a head's NoPE key: its non-kept dims, then the kept dims' residual
     q_scale = math.sqrt((dh + dr) / dh)  # undo MLA's 1/sqrt(d_h + d_h^R) (Eq. 46)
     if moments is None:
-        moments = attention_input_moments(model, calib_tokens)
+        moments = attention_input_moments(model, calib_tokens, progress=progress)
     out = build_model(cfg)
     sd = {k: v for k, v in model.state_dict().items() if ".attn." not in k}
     out.load_state_dict(sd, strict=False)
+    bar = Progress(len(model.layers), "convert to MLA", "layer", enabled=progress)
     for li, (layer, new) in enumerate(zip(model.layers, out.layers)):
         a, b = layer.attn, new.attn
         sigma = moments[li]
@@ -354,6 +370,8 @@ def gqa_to_mla(
         up = torch.cat([up_k[group], up_v[group]], dim=1)  # each head's [W^UK_i; W^UV_i]
         b.wkv_b.weight.copy_(up.reshape(h * 2 * dh, dc))
         b.wo.weight.copy_(a.wo.weight)
+        bar.update(1)
+    bar.close()
     return out.eval()
 
 
@@ -385,15 +403,18 @@ def text_tokens(path: str | Path, tokenizer, n_tokens: int, seq_len: int) -> tor
 
 
 @torch.no_grad()
-def window_perplexity(model: KVLM, windows: torch.Tensor, batch: int = 4) -> float:
+def window_perplexity(model: KVLM, windows: torch.Tensor, batch: int = 4, progress: bool = False) -> float:
+    """exp(mean next-token loss) over ``windows`` (N, T); ``progress``: a bar over the windows."""
     total, count = 0.0, 0
-    for s in range(0, windows.shape[0], batch):
-        x = windows[s : s + batch]
-        logits = model(x[:, :-1]).double()
-        total += float(
-            torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten(), reduction="sum")
-        )
-        count += x[:, 1:].numel()
+    with Progress(windows.shape[0], "perplexity", "window", enabled=progress) as bar:
+        for s in range(0, windows.shape[0], batch):
+            x = windows[s : s + batch]
+            logits = model(x[:, :-1]).double()
+            total += float(
+                torch.nn.functional.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten(), reduction="sum")
+            )
+            count += x[:, 1:].numel()
+            bar.update(x.shape[0])
     return math.exp(total / count)
 
 

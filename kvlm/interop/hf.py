@@ -182,6 +182,11 @@ def export_hf(
         for name, value in ids.items():
             setattr(hf.config, name, value)
             setattr(hf.generation_config, name, value)
+        # every stop token the model declares (a chat model's end of turn besides the eos): generation_config's
+        # eos_token_id list, which transformers' generate, vLLM and SGLang stop at
+        stops = list(dict.fromkeys([hf_tok.eos_token_id, *getattr(tokenizer, "stop_ids", [])]))
+        if len(stops) > 1:
+            hf.generation_config.eos_token_id = stops
     out = Path(out)
     tmp = temp_folder(out)
     try:

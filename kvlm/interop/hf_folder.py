@@ -54,8 +54,9 @@ def load_model_folder(path: str | Path, device="cpu", dtype=None):
     meta = {"imported_from": str(path)}
     tokenizer = None
     if hf_tok is not None:
-        tokenizer = kvlm_tokenizer(hf_tok)
-        meta[META_KEY] = settings_from_hf(hf_tok)
+        generation_config = getattr(hf, "generation_config", None)  # its eos ids end generation too
+        tokenizer = kvlm_tokenizer(hf_tok, generation_config)
+        meta[META_KEY] = settings_from_hf(hf_tok, generation_config)
     model = model.to(device=device, dtype=dtype) if dtype is not None else model.to(device)
     return model.eval(), tokenizer, meta
 

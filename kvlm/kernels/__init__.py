@@ -2,6 +2,8 @@
 
 - ``latent_decode(q_lat, q_rope, c_kv, k_rope, n_new, scale)``: MLA's absorbed route, softmax(scale (q_lat
   c_kv^T + q_rope k_rope^T)) c_kv, every cached latent read once for all heads.
+- ``latent_block_decode(...)``: GLA / MLRA's absorbed route, the same per latent block (the kernel's group axis),
+  the RoPE key shared by all blocks.
 - ``gqa_decode(q, k, v, n_new, scale)``: MHA/GQA/MQA, each cached K/V head read once for its query heads.
 
 Both read the cache through ``BlockView``s (kvlm.cache.layer: pool + block table + start/end), so the same
@@ -12,14 +14,15 @@ no compiler, an unsupported dtype, autograd recording, too many new tokens) they
 ``KernelUnavailable`` with the reason when called with ``strict=True``; callers then take the plain PyTorch
 path, which stays the reference the kernels are tested against (tests/test_kernels.py).
 
-``CALLS`` counts the kernel calls by name ("latent_cpu", "gqa_cpu", "latent_triton"), so tests can prove
-the decode routes use the kernels.
+``CALLS`` counts the kernel calls by name ("latent_cpu", "latent_block_cpu", "gqa_cpu", "latent_triton"), so
+tests can prove the decode routes use the kernels.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -170,6 +173,51 @@ def latent_decode(
     return out.view(B, H, T, Dc)
 
 
+def latent_block_decode(
+    q_lat: torch.Tensor,
+    q_rope: torch.Tensor | None,
+    c_kv: BlockView,
+    k_rope: BlockView | None,
+    n_new: int,
+    scale: float,
+    strict: bool = False,
+) -> torch.Tensor | None:
+    """GLA / MLRA's absorbed route: ``latent_decode`` per latent block, the R units of block g attending over
+    block g of the latent and the RoPE key shared by all blocks. q_lat (B, G, R, T, D), q_rope (B, G, R, T, d_R)
+    or None; c_kv pool (N, G, P, D) (int8: scales (N, G, P, 1), one per token and block), k_rope pool (N, P, d_R).
+    Returns z (B, G, R, T, D). On CPU one call of the kernel with G groups (its group axis is the block axis);
+    on CUDA one Triton call per block over strided views of the pool. None / KernelUnavailable as
+    ``latent_decode``."""
+    B, G, R, T, D = q_lat.shape
+    if T != n_new:
+        raise ValueError(f"q_lat has {T} new tokens, n_new says {n_new}")
+    if (q_rope is None) != (k_rope is None):
+        raise ValueError("q_rope and k_rope go together")
+    if q_lat.device.type == "cuda":
+        return _latent_block_triton(q_lat, q_rope, c_kv, k_rope, scale, strict)
+    why = _cpu_reason(q_lat, n_new) or _check_pool(q_lat, c_kv, "c_kv")
+    if why is None and (c_kv.pool.dim() != 4 or c_kv.pool.shape[1] != G or c_kv.pool.shape[-1] != D):
+        why = f"c_kv pool of shape {tuple(c_kv.pool.shape)} for {G} latent blocks of {D}"
+    if why is None and k_rope is not None:
+        why = _check_pool(q_lat, k_rope, "k_rope")
+        if why is None and (k_rope.pool.dim() != 3 or k_rope.scale is not None):
+            why = "grouped or quantized RoPE keys"
+        if why is None and not _same_pages(c_kv, k_rope):
+            why = "c_kv and k_rope on different pages"
+    if why is not None:
+        return _unavailable(strict, why)
+    q = q_lat.reshape(B, G, R * T, D)
+    qr = None if q_rope is None else q_rope.reshape(B, G, R * T, q_rope.shape[-1])
+    s = _scale(c_kv.scale)
+    CALLS["latent_block_cpu"] += 1
+    FLOPS["total"] += 2 * G * R * T * _keys(c_kv) * (2 * D + (0 if q_rope is None else q_rope.shape[-1]))
+    out = cpu.extension().decode_attention(
+        q, qr, c_kv.pool, s, c_kv.pool, s, None if k_rope is None else k_rope.pool,
+        c_kv.block_table, c_kv.start, c_kv.end, c_kv.page_size, n_new, scale, _splits(B * G, c_kv),
+    )  # fmt: skip
+    return out.view(B, G, R, T, D)
+
+
 def gqa_decode(
     q: torch.Tensor,
     k: BlockView,
@@ -177,13 +225,25 @@ def gqa_decode(
     n_new: int,
     scale: float,
     strict: bool = False,
+    q_rope: torch.Tensor | None = None,
+    k_rope: BlockView | None = None,
 ) -> torch.Tensor | None:
     """o (B, Hq, T, D_v) = softmax(scale q k^T) v, query head i reading KV head i // (Hq / G): q (B, Hq, T, D),
-    k pool (N, G, P, D), v pool (N, G, P, D_v) on the same pages; slots and causality as ``latent_decode``."""
+    k pool (N, G, P, D), v pool (N, G, P, D_v) on the same pages; slots and causality as ``latent_decode``.
+    With q_rope (B, Hq, T, d_R) and k_rope pool (N, P, d_R), one RoPE key shared by every head (GTA), the
+    scores gain q_rope k_rope^T."""
     B, Hq, T, D = q.shape
     if T != n_new:
         raise ValueError(f"q has {T} new tokens, n_new says {n_new}")
+    if (q_rope is None) != (k_rope is None):
+        raise ValueError("q_rope and k_rope go together")
     why = _cpu_reason(q, n_new) or _check_pool(q, k, "k") or _check_pool(q, v, "v")
+    if why is None and k_rope is not None:
+        why = _check_pool(q, k_rope, "k_rope")
+        if why is None and (k_rope.pool.dim() != 3 or k_rope.scale is not None):
+            why = "grouped or quantized RoPE keys"
+        if why is None and not _same_pages(k, k_rope):
+            why = "K and k_rope on different pages"
     if why is None and (k.pool.dim() != 4 or v.pool.dim() != 4):
         why = f"K/V pools of shapes {tuple(k.pool.shape)}, {tuple(v.pool.shape)} (expected (N, G, P, D))"
     if why is None and (Hq % k.pool.shape[1] or k.pool.shape[1] != v.pool.shape[1]):
@@ -194,9 +254,12 @@ def gqa_decode(
         return _unavailable(strict, why)
     G = k.pool.shape[1]
     CALLS["gqa_cpu"] += 1
-    FLOPS["total"] += 2 * Hq * T * _keys(k) * (D + v.pool.shape[-1])
+    dr = 0 if q_rope is None else q_rope.shape[-1]
+    FLOPS["total"] += 2 * Hq * T * _keys(k) * (D + dr + v.pool.shape[-1])
+    qr = None if q_rope is None else q_rope.reshape(B, G, Hq // G * T, dr)
     out = cpu.extension().decode_attention(
-        q.reshape(B, G, Hq // G * T, D), None, k.pool, _scale(k.scale), v.pool, _scale(v.scale), None,
+        q.reshape(B, G, Hq // G * T, D), qr, k.pool, _scale(k.scale), v.pool, _scale(v.scale),
+        None if k_rope is None else k_rope.pool,
         k.block_table, k.start, k.end, k.page_size, n_new, scale, _splits(B * G, k),
     )  # fmt: skip
     return out.view(B, Hq, T, v.pool.shape[-1])
@@ -218,6 +281,20 @@ def _triton_reason(q: torch.Tensor) -> str | None:
     return None
 
 
+def _latent_block_triton(q_lat, q_rope, c_kv, k_rope, scale, strict):
+    """One Triton call per latent block (its kernel has no group axis): block g's columns of the pool are a
+    strided view, and the kernel takes any strides. (Tested on CPU tensors in Triton's interpreter.)"""
+    why = _triton_reason(q_lat)
+    if why is not None:
+        return _unavailable(strict, why)
+    z = torch.empty_like(q_lat)
+    for g in range(q_lat.shape[1]):
+        view = replace(c_kv, pool=c_kv.pool[:, g], scale=None if c_kv.scale is None else c_kv.scale[:, g])
+        qr = None if q_rope is None else q_rope[:, g]
+        z[:, g] = _latent_triton(q_lat[:, g], qr, view, k_rope, scale, strict)
+    return z
+
+
 def _latent_triton(q_lat, q_rope, c_kv, k_rope, scale, strict):
     why = _triton_reason(q_lat)
     if why is not None:
@@ -235,4 +312,13 @@ def _latent_triton(q_lat, q_rope, c_kv, k_rope, scale, strict):
     return triton_decode.latent_decode_triton(q_lat, q_rope, c_kv, k_rope, scale)
 
 
-__all__ = ["CALLS", "FLOPS", "MAX_NEW", "KernelUnavailable", "ready", "gqa_decode", "latent_decode"]
+__all__ = [
+    "CALLS",
+    "FLOPS",
+    "MAX_NEW",
+    "KernelUnavailable",
+    "ready",
+    "gqa_decode",
+    "latent_block_decode",
+    "latent_decode",
+]

@@ -3,7 +3,8 @@
 ``torch.utils.cpp_extension.load`` compiles it with -O3 -march=native into its cache directory
 (``TORCH_EXTENSIONS_DIR``, default ~/.cache/torch_extensions) and reuses the build while the source and flags
 are unchanged. -march=native code only runs on CPUs with the same instruction sets, so the module name carries
-a hash of this CPU's flags: a cache directory shared by different machines holds one build per kind of CPU.
+a hash of this CPU's flags: a cache directory shared by different machines holds one build per kind of CPU. It
+also carries a hash of every file in csrc/, since torch's own check hashes only the .cpp, not the headers.
 
 ``extension()`` returns the loaded module, or None when kernels are disabled (``KVLM_KERNELS=0``) or the build
 failed (no compiler, no headers): the failure is logged once and callers take the plain PyTorch path.
@@ -49,6 +50,15 @@ def _cpu_tag() -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:10]
 
 
+def _source_tag() -> str:
+    """A short hash of the kernel's sources, headers included."""
+    h = hashlib.sha1()
+    for f in sorted(SOURCE.parent.iterdir()):
+        if f.suffix in (".cpp", ".h"):
+            h.update(f.name.encode() + f.read_bytes())
+    return h.hexdigest()[:8]
+
+
 def extension() -> ModuleType | None:
     """The compiled kernel module (built on the first call, ~1 min), or None (disabled or unbuildable)."""
     if not enabled():
@@ -63,7 +73,7 @@ def extension() -> ModuleType | None:
 
             log.info("building the CPU decode kernel (first use; cached afterwards)")
             _state["module"] = load(
-                name=f"kvlm_decode_cpu_{_cpu_tag()}",
+                name=f"kvlm_decode_cpu_{_cpu_tag()}_{_source_tag()}",
                 sources=[str(SOURCE)],
                 extra_cflags=CFLAGS,
                 extra_ldflags=["-fopenmp"],

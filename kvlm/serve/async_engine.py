@@ -1,12 +1,21 @@
-"""The engine loop in one background thread, with an asyncio stream per request.
+"""The engine loop in one background thread, and per HTTP request a stream of its outputs on the event loop.
 
 ``Engine`` (kvlm/serve/engine.py) is single-threaded: every call to it (add_request, abort, step, stats)
 happens on the one thread started here. The HTTP handlers, on uvicorn's event loop, talk to that thread through
-a command queue (add, abort, stop) and receive each request's outputs on their own ``asyncio.Queue``, filled with
-``loop.call_soon_threadsafe``. While the engine has work the thread steps it as fast as it can; when idle it
-sleeps on an event that a new command sets, so an idle server uses no CPU.
+a command queue (add, abort, stop). While the engine has work the thread steps it as fast as it can, taking new
+commands between steps; when idle it sleeps on an event that a new command sets (no polling), so an idle server
+uses no CPU.
 
-Admission control: at most ``max_batch + max_waiting`` requests are in flight (running or queued in the engine);
+The hand-off back is batched, because the engine thread and the event loop share one GIL and every Python
+instruction the loop runs is time the engine does not step: after each step ONE ``call_soon_threadsafe`` per
+event loop carries every request's new tokens (not one wake-up per request), and each HTTP request has a
+``_Sink`` that merges the outputs its consumer has not taken yet (vLLM's RequestOutputCollector), so a consumer
+that falls behind sends one event with several tokens instead of queueing one event per token.
+
+One HTTP request may hold ``n`` engine requests (OpenAI's ``n`` completions of one prompt): ``add`` takes a
+list of SamplingParams and returns one ``RequestStream`` yielding ``(index, RequestOutput)`` pairs.
+
+Admission control: at most ``max_batch + max_waiting`` engine requests are in flight (running or queued);
 ``add`` raises ``Overloaded`` beyond that, which the server answers with 429, so a flood of clients can neither
 grow the queue without bound nor crash the server. A request whose consumer goes away (``RequestStream.close``,
 a cancelled task, a client disconnect) is aborted on the engine thread, which frees its cache pages at once.
@@ -19,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import queue
 import threading
 import time
@@ -39,18 +49,6 @@ class EngineStopped(RuntimeError):
 
 
 @dataclass
-class _Stream:
-    request_id: str
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    prompt_tokens: int
-    t_arrival: float
-    t_last: float | None = None
-    completion_tokens: int = 0
-    done: bool = False
-
-
-@dataclass
 class _Abort:
     """A final output for a request ended by the server (shutdown or engine failure)."""
 
@@ -66,29 +64,97 @@ class _Abort:
     finish_reason: str = "abort"
 
 
-class RequestStream:
-    """The outputs of one request, as an async iterator; ``close()`` aborts it if it has not finished."""
+def merge_output(a, b):
+    """Two consecutive outputs of one request as one: the deltas joined, the rest (finished, counts) from ``b``."""
 
-    def __init__(self, owner: AsyncEngine, stream: _Stream):
-        self._owner, self._s = owner, stream
-        self.request_id = stream.request_id
-        self.finished = False
+    def join(x, y):
+        return None if x is None and y is None else (x or []) + (y or [])
+
+    return dataclasses.replace(
+        b,
+        new_token_ids=a.new_token_ids + b.new_token_ids,
+        new_text=a.new_text + b.new_text,
+        token_logprobs=join(a.token_logprobs, b.token_logprobs),
+        top_logprobs=join(a.top_logprobs, b.top_logprobs),
+    )
+
+
+class _Sink:
+    """The outputs of one HTTP request's engine requests not yet taken by its consumer, merged per index.
+
+    Touched only on its event loop (``put`` is called there by the batched hand-off)."""
+
+    __slots__ = ("loop", "pending", "waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.pending: dict[int, object] = {}
+        self.waiter: asyncio.Future | None = None
+
+    def put(self, index: int, out) -> None:
+        prev = self.pending.get(index)
+        self.pending[index] = out if prev is None else merge_output(prev, out)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def get(self) -> list[tuple[int, object]]:
+        while not self.pending:
+            self.waiter = self.loop.create_future()
+            await self.waiter
+        items, self.pending = list(self.pending.items()), {}
+        return items
+
+
+@dataclass
+class _Stream:
+    """One engine request, as the engine thread tracks it."""
+
+    request_id: str
+    index: int
+    sink: _Sink
+    prompt_tokens: int
+    t_arrival: float
+    t_last: float | None = None
+    completion_tokens: int = 0
+    done: bool = False
+
+
+def _deliver(batch: list) -> None:
+    """On the event loop: one step's outputs to their sinks."""
+    for sink, index, out in batch:
+        sink.put(index, out)
+
+
+class RequestStream:
+    """The outputs of one HTTP request's ``n`` engine requests: ``async for batch in stream`` gives lists of
+    ``(index, RequestOutput)`` (all that arrived since the last, merged per index) until every one has finished;
+    ``close()`` aborts those that have not."""
+
+    def __init__(self, owner: AsyncEngine, sink: _Sink, request_ids: list[str]):
+        self._owner, self._sink = owner, sink
+        self.request_ids = request_ids
+        self._open = set(range(len(request_ids)))
+
+    @property
+    def finished(self) -> bool:
+        return not self._open
 
     def __aiter__(self):
         return self
 
-    async def __anext__(self):
-        if self.finished:
+    async def __anext__(self) -> list[tuple[int, object]]:
+        if not self._open:
             raise StopAsyncIteration
-        out = await self._s.queue.get()
-        if out.finished:
-            self.finished = True
-        return out
+        items = await self._sink.get()
+        for index, out in items:
+            if out.finished:
+                self._open.discard(index)
+        return items
 
     def close(self) -> None:
-        if not self.finished:
-            self.finished = True
-            self._owner.abort(self.request_id)
+        for index in sorted(self._open):
+            self._owner.abort(self.request_ids[index])
+        self._open.clear()
 
 
 class AsyncEngine:
@@ -103,7 +169,7 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._streams: dict[str, _Stream] = {}  # touched by the engine thread only
-        self._inflight = 0  # requests added and not yet finished; guarded by _lock
+        self._inflight = 0  # engine requests added and not yet finished; guarded by _lock
         self._lock = threading.Lock()
         self._accepting = True
         self._stop_now = False
@@ -147,36 +213,41 @@ class AsyncEngine:
         return {**self._stats, "inflight": self.inflight}
 
     # --- requests (any thread with a running event loop) ---
-    async def add(self, prompt_ids: list[int], params, request_id: str | None = None) -> RequestStream:
-        """Queue a request; raises Overloaded (429), EngineStopped (503) or the engine's ValueError (400)."""
+    async def add(self, prompt_ids: list[int], params) -> RequestStream:
+        """Queue one request per SamplingParams in ``params`` (one, or a list: n completions of the prompt), all
+        or none; raises Overloaded (429), EngineStopped (503) or the engine's ValueError (400)."""
+        params_list = params if isinstance(params, list) else [params]
+        n = len(params_list)
         if not self._accepting or not self.alive:
             raise EngineStopped(
                 "the server is shutting down" if not self._accepting else "the engine has stopped"
             )
         with self._lock:
-            if self._inflight >= self.max_inflight:
+            if self._inflight + n > self.max_inflight:
                 raise Overloaded(
                     f"server overloaded: {self._inflight} requests in flight (limit {self.max_inflight}); retry later"
                 )
-            self._inflight += 1
-        rid = request_id or uuid.uuid4().hex
+            self._inflight += n
         loop = asyncio.get_running_loop()
-        stream = _Stream(rid, loop, asyncio.Queue(), len(prompt_ids), time.perf_counter())
+        sink, now, base = _Sink(loop), time.perf_counter(), uuid.uuid4().hex
+        streams = [_Stream(f"{base}-{i}" if n > 1 else base, i, sink, len(prompt_ids), now) for i in range(n)]
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(("add", stream, list(prompt_ids), params, done))
+        self._commands.put(("add", streams, list(prompt_ids), params_list, done))
         self._wake.set()
         try:
             await asyncio.wrap_future(done)
         except BaseException:
             # refused by the engine (ValueError), or the caller was cancelled while waiting: if the add went
             # through meanwhile, abort it so nothing is left running for nobody
-            self.abort(rid)
+            for s in streams:
+                self.abort(s.request_id)
             with self._lock:
-                if not stream.done:
-                    stream.done = True
-                    self._inflight -= 1
+                for s in streams:
+                    if not s.done:
+                        s.done = True
+                        self._inflight -= 1
             raise
-        return RequestStream(self, stream)
+        return RequestStream(self, sink, [s.request_id for s in streams])
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -218,21 +289,7 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, stream, prompt_ids, params, done = cmd
-                if done.cancelled():
-                    continue
-                if refuse:
-                    done.set_exception(EngineStopped("the engine has stopped"))
-                    continue
-                try:
-                    self.engine.add_request(prompt_ids, params, request_id=stream.request_id)
-                except BaseException as e:  # ValueError: cannot fit, bad params -> 400 upstream
-                    done.set_exception(e)
-                    continue
-                self._streams[stream.request_id] = stream
-                if self.metrics is not None:
-                    self.metrics.prompt_tokens.inc(stream.prompt_tokens)
-                done.set_result(stream.request_id)
+                self._add(*cmd[1:], refuse=refuse)
             elif cmd[0] == "abort":
                 rid = cmd[1]
                 if rid in self._streams and not refuse:
@@ -243,32 +300,61 @@ class AsyncEngine:
                     self._end(rid, put=False)
                     self._stats = self.engine.stats()
 
+    def _add(self, streams: list[_Stream], prompt_ids, params_list, done, refuse: bool) -> None:
+        if done.cancelled():
+            return
+        if refuse:
+            done.set_exception(EngineStopped("the engine has stopped"))
+            return
+        added = []
+        try:
+            for s, params in zip(streams, params_list):
+                added.append(self.engine.add_request(prompt_ids, params, request_id=s.request_id))
+        except BaseException as e:  # ValueError: cannot fit, bad params -> 400 upstream; none of the n runs
+            for rid in added:
+                self.engine.abort(rid)
+            done.set_exception(e)
+            return
+        for s in streams:
+            self._streams[s.request_id] = s
+        if self.metrics is not None:
+            self.metrics.prompt_tokens.inc(len(prompt_ids) * len(streams))
+        done.set_result(None)
+
     def _dispatch(self, outputs) -> None:
+        """One step's outputs to their consumers: the metrics, then one thread-safe hand-off per event loop."""
         now = time.perf_counter()
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
+        m, generated = self.metrics, 0
         for out in outputs:
             s = self._streams.get(out.request_id)
             if s is None:  # aborted by its consumer while this step ran
                 continue
             n = len(out.new_token_ids)
             if n:
-                m = self.metrics
                 if m is not None:
                     if s.t_last is None:
                         m.ttft.observe(now - s.t_arrival)
                     else:
-                        for _ in range(n):  # tokens that arrive together share the gap
-                            m.itl.observe((now - s.t_last) / n)
-                    m.record_tokens(n, now)
+                        gap = (now - s.t_last) / n  # tokens that arrive together share the gap
+                        for _ in range(n):
+                            m.itl.observe(gap)
                 s.t_last = now
                 s.completion_tokens += n
-            try:
-                s.loop.call_soon_threadsafe(s.queue.put_nowait, out)
-            except RuntimeError:  # the request's event loop has closed: nobody is listening
-                self.engine.abort(out.request_id)
-                self._end(out.request_id, put=False)
-                continue
+                generated += n
+            batches.setdefault(s.sink.loop, []).append((s.sink, s.index, out))
             if out.finished:
                 self._end(out.request_id, put=False, reason=out.finish_reason)
+        if m is not None:
+            m.record_tokens(generated, now)
+        for loop, batch in batches.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, batch)
+            except RuntimeError:  # the requests' event loop has closed: nobody is listening
+                for _, _, out in batch:
+                    if out.request_id in self._streams:
+                        self.engine.abort(out.request_id)
+                        self._end(out.request_id, put=False)
 
     def _end(self, rid: str, *, put: bool = True, reason: str = "abort", error: str | None = None) -> None:
         """Forget a request; with ``put``, its stream gets a final "abort" output (server-side end)."""
@@ -278,7 +364,7 @@ class AsyncEngine:
         if put:
             final = _Abort(rid, s.prompt_tokens, s.completion_tokens, error=error)
             try:
-                s.loop.call_soon_threadsafe(s.queue.put_nowait, final)
+                s.sink.loop.call_soon_threadsafe(s.sink.put, s.index, final)
             except RuntimeError:  # its event loop is already closed
                 pass
         if self.metrics is not None:

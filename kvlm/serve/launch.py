@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,6 +94,12 @@ def build_server(
     from kvlm.serve.engine import Engine
     from kvlm.serve.metrics import ServeMetrics
 
+    if next(served.model.parameters()).device.type == "cpu":
+        from kvlm.kernels import cpu as cpu_kernels
+
+        # build (or load the cached build of) the decode kernel before the port opens, so the first request does
+        # not wait for the compiler (~1 min on a fresh machine); None (plain path) if it cannot be built
+        cpu_kernels.extension()
     engine = Engine(served.model, served.tokenizer, max_batch=max_batch, **engine_options)
     name = model_name or served.name
     async_engine = AsyncEngine(engine, max_batch=max_batch, max_waiting=max_waiting)
@@ -134,6 +141,12 @@ def uvicorn_server(
             await asyncio.to_thread(engine.stop, graceful_s)
             await super().shutdown(sockets)
 
+    missing = [m for m in ("httptools", "uvloop") if importlib.util.find_spec(m) is None]
+    if missing:  # uvicorn then falls back to h11 (pure Python) and asyncio's own loop
+        logger.info(
+            "uvicorn runs without %s: each streamed token costs the event loop more CPU, which the engine thread "
+            "waits for (one GIL); pip install 'uvicorn[standard]'", " and ".join(missing),
+        )  # fmt: skip
     # uvicorn's own wait only covers sending what the stopped engine produced
     config = uvicorn.Config(
         app, host=host, port=port, log_level=log_level, access_log=access_log, timeout_graceful_shutdown=5.0

@@ -12,6 +12,11 @@ a prompt longer than the context, invalid sampling values, malformed JSON, wrong
 that disconnects is noticed by Starlette (it cancels the response task), and closing the request's stream aborts
 it on the engine, which frees its pages; a non-streaming request awaits its client's disconnect the same way.
 
+``n`` > 1 fans out to n engine requests sharing one RequestStream (the prefix cache shares the prompt's pages;
+a seeded request's completion i uses seed + i); the choices carry their index, in a stream chunk by chunk.
+A streamed response writes everything that arrived for it in one engine step as one write, and each event is
+built by ``StreamFrames`` (the envelope serialized once per response).
+
 FastAPI and uvicorn are the optional extra ``kvlm[serve]``; they are imported when a server is built.
 kvlm/serve/launch.py loads what is served, builds the engine and runs uvicorn.
 """
@@ -19,6 +24,7 @@ kvlm/serve/launch.py loads what is served, builds the engine and runs uvicorn.
 # no `from __future__ import annotations`: FastAPI reads the handlers' annotations (fastapi.Request) at runtime
 import asyncio
 import contextlib
+import dataclasses
 import time
 
 from kvlm.logs import get_logger
@@ -28,6 +34,7 @@ from kvlm.serve.openai_protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    StreamFrames,
     chat_body,
     chat_logprobs,
     completion_body,
@@ -36,7 +43,6 @@ from kvlm.serve.openai_protocol import (
     merge_outputs,
     new_id,
     parse_request,
-    sse,
     usage,
 )
 
@@ -122,7 +128,18 @@ class _State:
                 f"invalid sampling parameters: {e}", param=field if field in _FIELDS else None
             ) from None
 
-    async def submit(self, ids: list[int], params):
+    def fan_out(self, params, n: int) -> list:
+        """n SamplingParams for n completions of one prompt: a seeded request's completion i uses seed + i (so
+        they differ, and the whole response is reproducible)."""
+        if n > self.engine.max_inflight:
+            raise APIError(
+                f"n={n} is more than this server runs at once ({self.engine.max_inflight})", param="n"
+            )
+        if params.seed is None:
+            return [params] * n  # each engine request draws its own random seed
+        return [dataclasses.replace(params, seed=params.seed + i) for i in range(n)]
+
+    async def submit(self, ids: list[int], params: list):
         try:
             return await self.engine.add(ids, params)
         except Overloaded as e:
@@ -215,12 +232,12 @@ def create_app(
         ids = st.encode(prompt)
         explicit = "max_tokens" in req.model_fields_set and req.max_tokens is not None
         params = st.sampling(req, len(ids), req.max_tokens, explicit, req.logprobs)
-        stream = await st.submit(ids, params)
+        stream = await st.submit(ids, st.fan_out(params, req.n))
         rid = new_id("cmpl")
         echo = prompt if req.echo else ""
 
-        def choice(out, text: str, finish: str | None, offset: int) -> dict:
-            c = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        def choice(index: int, out, text: str, finish: str | None, offset: int) -> dict:
+            c = {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
             if req.logprobs is not None and out["token_logprobs"] is not None:
                 c["logprobs"] = completion_logprobs(
                     st.token_texts(out["ids"]), out["token_logprobs"], out["top_logprobs"], offset
@@ -230,34 +247,36 @@ def create_app(
             return c
 
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            frames = StreamFrames(rid, "text_completion", model_name)
 
             async def events():
-                offset, first = len(echo), True
-                async for out in stream:
-                    part = delta(out)
-                    text = (echo if first else "") + out.new_text
-                    first = False
-                    if not (text or part["ids"] or out.finished):
-                        continue
-                    yield sse(completion_body(rid, model_name, choice(part, text, out.finish_reason, offset), None,
-                                               chunk=True))  # fmt: skip
-                    offset += len(out.new_text)
-                    if out.finished and include_usage:
-                        u = usage(out.prompt_tokens, out.completion_tokens)
-                        yield sse(completion_body(rid, model_name, {}, u, chunk=True))
+                offsets, started, completion = [len(echo)] * req.n, [False] * req.n, [0] * req.n
+                async for batch in stream:
+                    chunks = []
+                    for i, out in batch:
+                        text = out.new_text if started[i] else echo + out.new_text
+                        started[i] = True
+                        completion[i] = out.completion_tokens
+                        if text or out.new_token_ids or out.finished:
+                            chunks.append(
+                                frames.choice(choice(i, delta(out), text, out.finish_reason, offsets[i]))
+                            )
+                            offsets[i] += len(out.new_text)
+                    if chunks:  # one write for all that arrived together
+                        yield "".join(chunks)
+                if req.stream_options and req.stream_options.include_usage:
+                    yield frames.usage(usage(len(ids), sum(completion)))
 
             return _streaming(StreamingResponse, stream, events())
-        outs = await _collect(stream, request)
-        if outs is None:
+        per_index = await _collect(stream, request, req.n)
+        if per_index is None:
             return Response(status_code=499)
-        whole = merge_outputs(outs)
-        last = outs[-1]
-        body = completion_body(
-            rid, model_name, choice(whole, echo + whole["text"], last.finish_reason, len(echo)),
-            usage(last.prompt_tokens, last.completion_tokens), chunk=False,
-        )  # fmt: skip
-        return body
+        choices, completion = [], 0
+        for i, outs in enumerate(per_index):
+            whole, last = merge_outputs(outs), outs[-1]
+            choices.append(choice(i, whole, echo + whole["text"], last.finish_reason, len(echo)))
+            completion += last.completion_tokens
+        return completion_body(rid, model_name, choices, usage(len(ids), completion), chunk=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: fastapi.Request):
@@ -271,7 +290,7 @@ def create_app(
         limit = req.requested_max_tokens
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = st.sampling(req, len(ids), limit, limit is not None, logprobs)
-        stream = await st.submit(ids, params)
+        stream = await st.submit(ids, st.fan_out(params, req.n))
         rid = new_id("chatcmpl")
 
         def lp(part) -> dict | None:
@@ -280,40 +299,51 @@ def create_app(
             return chat_logprobs(st.token_texts(part["ids"]), part["token_logprobs"], part["top_logprobs"])
 
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            frames = StreamFrames(rid, "chat.completion.chunk", model_name)
 
             async def events():
-                role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                        "finish_reason": None}  # fmt: skip
-                yield sse(chat_body(rid, model_name, role, None, chunk=True))
-                async for out in stream:
-                    part = delta(out)
-                    if not (out.new_text or part["ids"] or out.finished):
-                        continue
-                    content = {"content": out.new_text} if (out.new_text or not out.finished) else {}
-                    c = {
-                        "index": 0,
-                        "delta": content,
-                        "logprobs": lp(part),
-                        "finish_reason": out.finish_reason,
-                    }
-                    if req.return_token_ids:
-                        c["token_ids"] = part["ids"]
-                    yield sse(chat_body(rid, model_name, c, None, chunk=True))
-                    if out.finished and include_usage:
-                        u = usage(out.prompt_tokens, out.completion_tokens)
-                        yield sse(chat_body(rid, model_name, None, u, chunk=True))
+                yield "".join(
+                    frames.choice({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                   "finish_reason": None})
+                    for i in range(req.n)
+                )  # fmt: skip
+                completion = [0] * req.n
+                async for batch in stream:
+                    chunks = []
+                    for i, out in batch:
+                        completion[i] = out.completion_tokens
+                        part = delta(out)
+                        if not (out.new_text or part["ids"] or out.finished):
+                            continue
+                        content = {"content": out.new_text} if (out.new_text or not out.finished) else {}
+                        c = {
+                            "index": i,
+                            "delta": content,
+                            "logprobs": lp(part),
+                            "finish_reason": out.finish_reason,
+                        }
+                        if req.return_token_ids:
+                            c["token_ids"] = part["ids"]
+                        chunks.append(frames.choice(c))
+                    if chunks:
+                        yield "".join(chunks)
+                if req.stream_options and req.stream_options.include_usage:
+                    yield frames.usage(usage(len(ids), sum(completion)))
 
             return _streaming(StreamingResponse, stream, events())
-        outs = await _collect(stream, request)
-        if outs is None:
+        per_index = await _collect(stream, request, req.n)
+        if per_index is None:
             return Response(status_code=499)
-        whole, last = merge_outputs(outs), outs[-1]
-        c = {"index": 0, "message": {"role": "assistant", "content": whole["text"]}, "logprobs": lp(whole),
-             "finish_reason": last.finish_reason}  # fmt: skip
-        if req.return_token_ids:
-            c["token_ids"] = whole["ids"]
-        return chat_body(rid, model_name, c, usage(last.prompt_tokens, last.completion_tokens), chunk=False)
+        choices, completion = [], 0
+        for i, outs in enumerate(per_index):
+            whole, last = merge_outputs(outs), outs[-1]
+            c = {"index": i, "message": {"role": "assistant", "content": whole["text"]}, "logprobs": lp(whole),
+                 "finish_reason": last.finish_reason}  # fmt: skip
+            if req.return_token_ids:
+                c["token_ids"] = whole["ids"]
+            choices.append(c)
+            completion += last.completion_tokens
+        return chat_body(rid, model_name, choices, usage(len(ids), completion), chunk=False)
 
     return app
 
@@ -331,15 +361,20 @@ def _streaming(response_cls, stream, events):
     return response_cls(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-async def _collect(stream, request) -> list | None:
-    """All outputs of a non-streaming request; None (and the request aborted) if its client disconnected.
+async def _collect(stream, request, n: int) -> list[list] | None:
+    """All outputs of a non-streaming request, per choice index; None (and the request aborted) if its client
+    disconnected.
 
     The client's disconnect is awaited as Starlette's StreamingResponse awaits it (the next ASGI message after the
     body is "http.disconnect"); ``Request.is_disconnected()`` polling does not see a client that closed its
     socket while the server is not reading."""
 
     async def drain():
-        return [out async for out in stream]
+        per_index: list[list] = [[] for _ in range(n)]
+        async for batch in stream:
+            for i, out in batch:
+                per_index[i].append(out)
+        return per_index
 
     async def disconnected():
         while (await request.receive())["type"] != "http.disconnect":

@@ -92,6 +92,8 @@ def load_init(source: str | Path) -> tuple[torch.nn.Module, Any, dict[str, Any]]
     origin["kind"] = "kvlm-checkpoint" if model_type is None else f"hf-{model_type}"
     if model_type is None:
         origin.update(step=meta.get("step"), tokens=meta.get("tokens"))
+    if meta.get("hf_tokenizer"):  # stop tokens, chat template (kvlm.interop.tokenizer_meta): the fine-tune keeps them
+        origin["hf_tokenizer"] = meta["hf_tokenizer"]
     return model.float(), tokenizer, origin
 
 

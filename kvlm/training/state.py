@@ -176,7 +176,9 @@ def save_training_checkpoint(
                 "val_loss": progress.val_losses[-1][1] if progress.val_losses else None,
                 "train_config": tcfg.to_dict(),
                 "data": data.summary(),
-                **({"init": origin} if origin else {}),
+                **({"init": {k: v for k, v in origin.items() if k != "hf_tokenizer"}} if origin else {}),
+                # the init's tokenizer settings (stop tokens, chat template) stay with the fine-tuned weights
+                **({"hf_tokenizer": origin["hf_tokenizer"]} if origin and origin.get("hf_tokenizer") else {}),
             }
             save_checkpoint(path, model, tokenizer=data.tokenizer, meta=meta, trainer_state=state)
     dt.barrier(info)
@@ -195,5 +197,5 @@ def write_config(
     ``init``: where its weights came from (path, kind, the init checkpoint's step and tokens)."""
     doc = {"model": cfg.to_dict(), "train": tcfg.to_dict(), "data": data.summary(), "world_size": world}
     if origin:
-        doc["init"] = origin
+        doc["init"] = {k: v for k, v in origin.items() if k != "hf_tokenizer"}  # that one goes to meta.json
     (out_dir / "config.yaml").write_text(yaml.safe_dump(doc, sort_keys=False))

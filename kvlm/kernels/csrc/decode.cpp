@@ -5,8 +5,9 @@
 // One kernel serves MLA's absorbed route (G = 1 group, R = H x T query rows, k = v = the cached latent c_kv,
 // k_rope the shared RoPE key) and GQA/MHA decode (G = KV heads, R = query heads per KV head x T, no RoPE
 // term). Every query row of a group shares each cached key, so a tile of keys is loaded once (from any page,
-// dequantized from int8 / bf16 into an L1-sized float tile) and used by all R rows: scores as a small
-// register-blocked GEMM, an online softmax per row, values accumulated by a second register-blocked GEMM.
+// int8 / bf16 widened to float) and used by all R rows: scores as a small register-blocked GEMM, an online
+// softmax per row, values accumulated by a second register-blocked GEMM (decode_avx512.h for float32 queries
+// on AVX-512 CPUs, decode_core.h's portable code otherwise).
 // Work items are (sequence, group, split of the key axis); with few sequences the key axis is split over the
 // threads and the partial (max, sum, acc) of each split are merged by log-sum-exp at the end.
 //

@@ -420,12 +420,47 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
   }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && KVLM_VEC_BYTES == 64 && \
+    !defined(KVLM_NO_AVX512)
+#define KVLM_AVX512 1
+}  // namespace kvlm_decode
+#include "decode_avx512.h"
+namespace kvlm_decode {
+#else
+#define KVLM_AVX512 0
+#endif
+
 // The key tile: 16 keys when they are wide (the tile of 16 x (256 + 32) floats stays in a 32 KiB L1 while every
 // row block reads it), 32 when narrow (per-tile overhead dominates); measured on AVX-512, MLA 12 x (256 + 32):
 // +10 %, GQA 4 x 64: -8 % the other way round.
 template <typename T>
 void attend_range(const Job& J, const T* q, const T* qr, int64_t b, int64_t g, int64_t j0, int64_t j1,
                   const int64_t* lo, const int64_t* hi, T* m, T* l, T* acc) {
+#if KVLM_AVX512
+  if constexpr (std::is_same<T, float>::value) {  // float queries, K and V pools of one dtype: the micro-kernels
+    const bool wide = J.Dkp + J.Drp >= 256;
+    const DType dt = J.k.dtype;
+    if (dt == J.v.dtype && (dt == DType::f32 || dt == DType::bf16 || dt == DType::i8)) {
+      auto run = [&](auto dt_tag) {
+        constexpr DType DT = decltype(dt_tag)::value;
+        if (DT != DType::f32 && J.R >= avx512::kWidenRows) {
+          if (wide)
+            avx512::attend_range<DT, 16, true>(J, q, qr, b, g, j0, j1, lo, hi, m, l, acc);
+          else
+            avx512::attend_range<DT, 32, true>(J, q, qr, b, g, j0, j1, lo, hi, m, l, acc);
+        } else if (wide) {
+          avx512::attend_range<DT, 16, false>(J, q, qr, b, g, j0, j1, lo, hi, m, l, acc);
+        } else {
+          avx512::attend_range<DT, 32, false>(J, q, qr, b, g, j0, j1, lo, hi, m, l, acc);
+        }
+      };
+      if (dt == DType::f32) run(std::integral_constant<DType, DType::f32>());
+      if (dt == DType::bf16) run(std::integral_constant<DType, DType::bf16>());
+      if (dt == DType::i8) run(std::integral_constant<DType, DType::i8>());
+      return;
+    }
+  }
+#endif
   if (J.Dkp + J.Drp >= 256)
     attend_range_t<T, 16>(J, q, qr, b, g, j0, j1, lo, hi, m, l, acc);
   else

@@ -1,0 +1,141 @@
+"""The CPU decode kernel alone (kvlm/kernels/csrc) at the bench reference shape, one layer: GFLOP/s, GB/s and
+time against the per-operation floor max(bytes / bandwidth, FLOPs / peak), with bandwidth and peak measured here
+at the same thread count (kvlm.bench.hardware). With ``--baseline REV`` the kernel sources of git revision REV
+are built too (a separate extension) and both are timed interleaved in one process: medians of ``--repeats``
+alternating rounds, so a busy shared machine slows both alike.
+
+    OMP_NUM_THREADS=2 python benchmarks/kernel_micro.py --baseline HEAD     # ~1 min after the builds
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from kvlm import kernels
+from kvlm.bench.hardware import measure_hardware
+from kvlm.cache.quantized import quantize
+from kvlm.kernels import cpu
+
+ROOT = Path(__file__).resolve().parents[1]
+CSRC = "kvlm/kernels/csrc"
+
+# (name, query heads, KV groups, latent width (0: not latent), head / latent width, RoPE width, cache dtype)
+CASES = [
+    ("mla", 12, 1, True, 256, 32, "fp32"),
+    ("mla-int8", 12, 1, True, 256, 32, "int8"),
+    ("mla-T4", 12, 1, True, 256, 32, "fp32"),
+    ("gqa-3", 12, 3, False, 64, 0, "fp32"),
+    ("mha", 12, 12, False, 64, 0, "fp32"),
+]
+
+
+def build_baseline(rev: str):
+    """The kernel extension built from the sources of git revision ``rev`` (cached by their hash)."""
+    files = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", f"{rev}:{CSRC}"],
+                           check=True, capture_output=True, text=True).stdout.split()  # fmt: skip
+    out = Path(tempfile.mkdtemp(prefix="kvlm_kernel_base_"))
+    digest = hashlib.sha1()
+    for name in files:
+        text = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:{CSRC}/{name}"],
+                              check=True, capture_output=True).stdout  # fmt: skip
+        (out / name).write_bytes(text)
+        digest.update(text)
+    from torch.utils.cpp_extension import load
+
+    return load(name=f"kvlm_decode_base_{digest.hexdigest()[:10]}", sources=[str(out / "decode.cpp")],
+                extra_cflags=cpu.CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)  # fmt: skip
+
+
+def make_case(name, H, G, latent, D, dR, store, B, S, T):
+    """Arguments of decode_attention for one layer: B sequences of S cached tokens, contiguous (one page each)."""
+    gen = torch.Generator().manual_seed(0)
+    table = torch.arange(B, dtype=torch.int32)[:, None]
+    start, end = torch.zeros(B, dtype=torch.int32), torch.full((B,), S, dtype=torch.int32)
+    if latent:
+        pool = torch.randn(B, 1, S, D, generator=gen)
+        q = torch.randn(B, 1, H * T, D, generator=gen)
+        kr = torch.randn(B, S, dR, generator=gen) if dR else None
+        qr = torch.randn(B, 1, H * T, dR, generator=gen) if dR else None
+        scale = None
+        if store == "int8":
+            pool, scale = quantize(pool, torch.int8)
+        kv_bytes = pool.numel() * pool.element_size() + (0 if scale is None else scale.numel() * 4)
+        nbytes = kv_bytes + (0 if kr is None else kr.numel() * 4)
+        flops = 2 * B * H * T * S * (2 * D + dR)
+        args = (q, qr, pool, scale, pool, scale, kr, table, start, end, S, T, 1 / (D + dR) ** 0.5)
+    else:
+        k = torch.randn(B, G, S, D, generator=gen)
+        v = torch.randn(B, G, S, D, generator=gen)
+        q = torch.randn(B, G, H // G * T, D, generator=gen)
+        nbytes = 2 * k.numel() * 4
+        flops = 2 * B * H * T * S * 2 * D
+        args = (q, None, k, None, v, None, None, table, start, end, S, T, D**-0.5)
+    items = B * G
+    threads = torch.get_num_threads()
+    want = threads // __import__("math").gcd(items, threads)
+    n_split = (
+        want if want > 1 and S // want >= kernels.MIN_SPLIT_KEYS else 1
+    )  # what kvlm.kernels._splits picks
+    return args + (n_split,), flops, nbytes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--baseline", default=None, help="git revision whose kernel to time against (e.g. HEAD)")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--repeats", type=int, default=9, help="interleaved rounds (medians)")
+    ap.add_argument("--cases", default=",".join(c[0] for c in CASES))
+    ap.add_argument("--no-hardware", action="store_true", help="skip the bandwidth / peak measurement")
+    a = ap.parse_args()
+    threads = torch.get_num_threads()
+    mods = {"new": cpu.extension()}
+    if mods["new"] is None:
+        raise SystemExit(f"the kernel did not build: {cpu.build_error()}")
+    if a.baseline:
+        mods = {"base": build_baseline(a.baseline), **mods}
+    hw = None
+    if not a.no_hardware:
+        hw = measure_hardware(torch.device("cpu"), mib=256, repeats=3)
+        print(
+            f"hardware, {threads} threads: {hw['bandwidth_gbs']:.1f} GB/s, {hw['matmul_fp32_gflops']:.0f} GFLOP/s"
+        )
+    print(
+        f"{'case':10s} {'kernel':5s} {'ms':>7s} {'GFLOP/s':>8s} {'GB/s':>6s} {'floor ms':>8s} {'x floor':>7s}"
+    )
+    wanted = a.cases.split(",")
+    for name, H, G, latent, D, dR, store in CASES:
+        if name not in wanted:
+            continue
+        T = 4 if name.endswith("T4") else 1
+        args, flops, nbytes = make_case(name, H, G, latent, D, dR, store, a.batch, a.context, T)
+        times = {k: [] for k in mods}
+        for m in mods.values():
+            m.decode_attention(*args)  # warm
+        with torch.inference_mode():
+            for _ in range(a.repeats):
+                for k, m in mods.items():
+                    t0 = time.perf_counter()
+                    m.decode_attention(*args)
+                    times[k].append(time.perf_counter() - t0)
+        floor = None
+        if hw:
+            floor = max(nbytes / hw["bandwidth_gbs"] / 1e9, flops / hw["matmul_fp32_gflops"] / 1e9)
+        for k, ts in times.items():
+            t = statistics.median(ts)
+            line = f"{name:10s} {k:5s} {t * 1e3:7.2f} {flops / t / 1e9:8.1f} {nbytes / t / 1e9:6.1f}"
+            if floor:
+                line += f" {floor * 1e3:8.2f} {t / floor:7.2f}"
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

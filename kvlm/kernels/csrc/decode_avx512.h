@@ -1,0 +1,415 @@
+// AVX-512 micro-kernels of the CPU decode kernel (float32 queries; float32 / bf16 / int8 cache), included by
+// decode_core.h, whose portable vector-extension code stays the path for float64 and for CPUs without AVX-512.
+//
+// One tile of TILE cached keys of one (sequence, group) against all R query rows of the group:
+//   scores   S[R][TILE] = Q K^T by 16-score blocks (RB rows x KB keys, RB KB = 16): RB x KB accumulators over
+//            the feature axis, every loaded key vector used by RB rows, then one tree of shuffles turns the 16
+//            accumulators into one vector of 16 scores (not 16 horizontal sums);
+//   softmax  online, per row, vectorised (only the tiles at a range's ends are masked);
+//   values   O[R][Dv] += P[R][TILE] V[TILE][Dv] by RB rows x ZC vectors of O held in registers across the whole
+//            tile (broadcast P, FMA with the V row).
+// With fewer than kWidenRows rows (GQA / MHA: memory-bound) bf16 and int8 rows are widened in registers as they
+// are loaded; an int8 row's per-token scale is folded into its scores (multiplied into the accumulators before
+// the RoPE part) and into its P value, so the codes are used as they are. With more rows (MLA) each tile is
+// widened once into a float tile, which costs fewer conversions than widening in every pass (measured: 3 %).
+// For MLA the key and the value are the same latent row: a tile is read from memory once for both (it stays in
+// L1 between the two passes). The next tile's rows are prefetched into L2 from inside the first row block's
+// loops, a few lines per FMA group, rather than in one burst that stalls on the fill buffers (the hardware
+// prefetcher does not follow the block table across pages; measured at 4096 keys: 5-20 % faster with it).
+// Build knobs, for measuring only: KVLM_NO_PREFETCH, KVLM_WIDEN_ROWS=n, KVLM_NO_AVX512 (the portable path).
+#pragma once
+
+#include <immintrin.h>
+
+namespace kvlm_decode {
+namespace avx512 {
+
+template <DType DT>
+struct Elem;  // bytes per cached element
+template <>
+struct Elem<DType::f32> {
+  static constexpr int size = 4;
+};
+template <>
+struct Elem<DType::bf16> {
+  static constexpr int size = 2;
+};
+template <>
+struct Elem<DType::i8> {
+  static constexpr int size = 1;
+};
+
+// 16 cached elements at p as floats; the masked form reads only the lanes of m (the others are 0).
+template <DType DT>
+inline __m512 load(const char* p);
+template <DType DT>
+inline __m512 load(const char* p, __mmask16 m);
+template <>
+inline __m512 load<DType::f32>(const char* p) {
+  return _mm512_loadu_ps(p);
+}
+template <>
+inline __m512 load<DType::f32>(const char* p, __mmask16 m) {
+  return _mm512_maskz_loadu_ps(m, p);
+}
+template <>  // bf16 is the top half of a float32: widen, shift
+inline __m512 load<DType::bf16>(const char* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+template <>
+inline __m512 load<DType::bf16>(const char* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+template <>
+inline __m512 load<DType::i8>(const char* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+template <>
+inline __m512 load<DType::i8>(const char* p, __mmask16 m) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
+}
+
+inline __mmask16 tail_mask(int64_t n) {  // the first n % 16 lanes, or all 16
+  const int r = static_cast<int>(n % 16);
+  return r ? static_cast<__mmask16>((1u << r) - 1) : static_cast<__mmask16>(0xFFFF);
+}
+
+// 16 vectors -> one vector whose lane i is the sum of the lanes of a[i]: four levels of "add the two halves of
+// each pair" (30 two-source permutes, 15 adds) instead of 16 horizontal sums of ~8 steps each.
+inline __m512 tree16(const __m512 (&a)[16]) {
+  // after level k the partial sums of vector i sit in lanes whose index has bit (3 - k) equal to i's; inputs in
+  // bit-reversed order make lane i of the result the sum of a[i]
+  static constexpr int rev[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+  const __m512i lo1 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+  const __m512i hi1 = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  const __m512i lo2 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+  const __m512i hi2 = _mm512_setr_epi32(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  const __m512i lo3 = _mm512_setr_epi32(0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+  const __m512i hi3 = _mm512_setr_epi32(2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  const __m512i lo4 = _mm512_setr_epi32(0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+  const __m512i hi4 = _mm512_setr_epi32(1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  __m512 u[8], w[4], z[2];
+  for (int i = 0; i < 8; ++i) {
+    const __m512 x = a[rev[2 * i]], y = a[rev[2 * i + 1]];
+    u[i] = _mm512_add_ps(_mm512_permutex2var_ps(x, lo1, y), _mm512_permutex2var_ps(x, hi1, y));
+  }
+  for (int i = 0; i < 4; ++i)
+    w[i] = _mm512_add_ps(_mm512_permutex2var_ps(u[2 * i], lo2, u[2 * i + 1]),
+                         _mm512_permutex2var_ps(u[2 * i], hi2, u[2 * i + 1]));
+  for (int i = 0; i < 2; ++i)
+    z[i] = _mm512_add_ps(_mm512_permutex2var_ps(w[2 * i], lo3, w[2 * i + 1]),
+                         _mm512_permutex2var_ps(w[2 * i], hi3, w[2 * i + 1]));
+  return _mm512_add_ps(_mm512_permutex2var_ps(z[0], lo4, z[1]), _mm512_permutex2var_ps(z[0], hi4, z[1]));
+}
+
+// Lane x KB + y = q_x . k_y (+ qr_x . kr_y), for RB rows of q (stride qs, qr stride qrs; zero-padded to whole
+// vectors) and KB key rows k[y] (Dk elements of DT, scaled by ks[y] when ks is given) with RoPE rows kr[y]
+// (Dr floats). pf: the next tile's KB key rows (and pfr its RoPE rows) to prefetch, or null.
+template <DType DT, int RB, int KB>
+inline __m512 score16(const float* q, int64_t qs, const float* qr, int64_t qrs, const char* const* k,
+                      const char* const* kr, const float* ks, int64_t Dk, int64_t Dr, const char* const* pf,
+                      const char* const* pfr) {
+  static_assert(RB * KB == 16, "a block is 16 scores");
+  constexpr int ES = Elem<DT>::size;
+  constexpr int64_t line = 64 / ES;  // elements per cache line: prefetch once per line
+  __m512 a[16];
+  for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
+  const int64_t Dk16 = Dk & ~int64_t(15);
+  for (int64_t d = 0; d < Dk16; d += 16) {
+    __m512 qv[RB];
+    for (int x = 0; x < RB; ++x) qv[x] = _mm512_load_ps(q + x * qs + d);
+    if (pf && d % line == 0)
+      for (int y = 0; y < KB; ++y) _mm_prefetch(pf[y] + d * ES, _MM_HINT_T1);
+    for (int y = 0; y < KB; ++y) {
+      const __m512 kv = load<DT>(k[y] + d * ES);
+      for (int x = 0; x < RB; ++x) a[x * KB + y] = _mm512_fmadd_ps(qv[x], kv, a[x * KB + y]);
+    }
+  }
+  if (Dk16 < Dk) {
+    const __mmask16 m = tail_mask(Dk);
+    for (int y = 0; y < KB; ++y) {
+      const __m512 kv = load<DT>(k[y] + Dk16 * ES, m);
+      for (int x = 0; x < RB; ++x) a[x * KB + y] = _mm512_fmadd_ps(_mm512_load_ps(q + x * qs + Dk16), kv, a[x * KB + y]);
+    }
+  }
+  if (ks)
+    for (int y = 0; y < KB; ++y) {
+      const __m512 s = _mm512_set1_ps(ks[y]);
+      for (int x = 0; x < RB; ++x) a[x * KB + y] = _mm512_mul_ps(a[x * KB + y], s);
+    }
+  for (int64_t d = 0; d < Dr; d += 16) {
+    const __mmask16 m = d + 16 <= Dr ? static_cast<__mmask16>(0xFFFF) : tail_mask(Dr);
+    if (pfr)
+      for (int y = 0; y < KB; ++y) _mm_prefetch(pfr[y] + 4 * d, _MM_HINT_T1);
+    for (int y = 0; y < KB; ++y) {
+      const __m512 kv = _mm512_maskz_loadu_ps(m, reinterpret_cast<const float*>(kr[y]) + d);
+      for (int x = 0; x < RB; ++x) a[x * KB + y] = _mm512_fmadd_ps(_mm512_load_ps(qr + x * qrs + d), kv, a[x * KB + y]);
+    }
+  }
+  return tree16(a);
+}
+
+// acc[x][d0 + 16 z + i] += sum_{j < n} p[x][j] v_j[d0 + 16 z + i] for RB rows and ZC vectors (mask mk[z] on the
+// loads: the tail of Dv reads as 0), the RB x ZC accumulators in registers across the tile. pf: the next
+// tile's value rows to prefetch (the same columns), or null.
+template <DType DT, int RB, int ZC>
+inline void value_block(const float* p, int ps, const char* const* v, int n, int64_t d0, const __mmask16* mk,
+                        float* acc, int64_t as, const char* const* pf) {
+  constexpr int ES = Elem<DT>::size;
+  __m512 a[RB][ZC];
+  for (int x = 0; x < RB; ++x)
+    for (int z = 0; z < ZC; ++z) a[x][z] = _mm512_load_ps(acc + x * as + d0 + 16 * z);
+  for (int j = 0; j < n; ++j) {
+    __m512 vv[ZC];
+    for (int z = 0; z < ZC; ++z) vv[z] = load<DT>(v[j] + (d0 + 16 * z) * ES, mk[z]);
+    if (pf)
+      for (int off = 0; off < 16 * ZC * ES; off += 64) _mm_prefetch(pf[j] + d0 * ES + off, _MM_HINT_T1);
+    for (int x = 0; x < RB; ++x) {
+      const __m512 px = _mm512_set1_ps(p[x * ps + j]);
+      for (int z = 0; z < ZC; ++z) a[x][z] = _mm512_fmadd_ps(px, vv[z], a[x][z]);
+    }
+  }
+  for (int x = 0; x < RB; ++x)
+    for (int z = 0; z < ZC; ++z) _mm512_store_ps(acc + x * as + d0 + 16 * z, a[x][z]);
+}
+
+// Columns [16 z0, 16 (z0 + 4)) of Dv (fewer at the end; nv vectors in all, the last masked by `last`) for
+// RB rows.
+template <DType DT, int RB>
+inline void values_chunk(const float* p, int ps, const char* const* v, int n, int64_t nv, __mmask16 last,
+                         int64_t z0, float* acc, int64_t as, const char* const* pf) {
+  const int left = static_cast<int>(std::min<int64_t>(4, nv - z0));
+  __mmask16 mk[4];
+  for (int z = 0; z < left; ++z) mk[z] = z0 + z == nv - 1 ? last : static_cast<__mmask16>(0xFFFF);
+  if (left == 4) value_block<DT, RB, 4>(p, ps, v, n, 16 * z0, mk, acc, as, pf);
+  if (left == 3) value_block<DT, RB, 3>(p, ps, v, n, 16 * z0, mk, acc, as, pf);
+  if (left == 2) value_block<DT, RB, 2>(p, ps, v, n, 16 * z0, mk, acc, as, pf);
+  if (left == 1) value_block<DT, RB, 1>(p, ps, v, n, 16 * z0, mk, acc, as, pf);
+}
+
+// exp(x) for x <= 0 (scores minus their running max): Cephes' expf polynomial as decode_core.h's vexp, the
+// power of two applied by scalef; below -87.3 (exp < FLT_MIN) it gives exp(-87.3) ~ 1e-38 instead of a denormal
+// (masked keys are zeroed by the caller).
+inline __m512 exp_nonpos(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3365478515625f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500E-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+#ifndef KVLM_WIDEN_ROWS
+#define KVLM_WIDEN_ROWS 8
+#endif
+constexpr int64_t kWidenRows = KVLM_WIDEN_ROWS;  // rows from which bf16 / int8 tiles are widened (attend_range)
+
+struct alignas(64) Line {  // one vector's worth of floats, for aligned scratch vectors
+  float f[16];
+};
+
+// Row pointers (and int8 scales) of the keys [t, t + n) of sequence `tab` in pool p, group g; the rest of the
+// TILE slots point at `zero` (scale 0).
+template <int TILE>
+inline void tile_rows(const Pool& p, int es, const int32_t* tab, int64_t P, int64_t g, int64_t t, int n,
+                      const char* zero, const char** rows, float* scales) {
+  const char* base = static_cast<const char*>(p.data);
+  const int64_t step = p.s_row * es;
+  int j = 0;
+  for (int64_t page_i = t / P, row = t % P; j < n; ++page_i, row = 0) {  // one block-table lookup per page
+    const int64_t page = tab[page_i];
+    const int run = static_cast<int>(std::min<int64_t>(n - j, P - row));
+    const char* ptr = base + (page * p.s_page + g * p.s_group + row * p.s_row) * es;
+    for (int i = 0; i < run; ++i, ptr += step) rows[j + i] = ptr;
+    if (scales) {
+      const float* sp = p.scale + page * p.sc_page + g * p.sc_group + row * p.sc_row;
+      for (int i = 0; i < run; ++i) scales[j + i] = sp[i * p.sc_row];
+    }
+    j += run;
+  }
+  for (; j < TILE; ++j) {
+    rows[j] = zero;
+    if (scales) scales[j] = 0.0f;
+  }
+}
+
+// Rows [0, n) of a tile of DT widened to floats (times their int8 scales) into dst (row stride Dp, the tail of
+// D zero); out[j] points at row j, or at `zero` past n.
+template <DType DT, int TILE>
+inline void widen(const char* const* rows, const float* scales, int n, int64_t D, float* dst, int64_t Dp,
+                  const char* zero, const char** out) {
+  constexpr int ES = Elem<DT>::size;
+  const int64_t D16 = D & ~int64_t(15);
+  const __mmask16 tm = tail_mask(D);
+  for (int j = 0; j < n; ++j) {
+    float* o = dst + j * Dp;
+    const __m512 sc = _mm512_set1_ps(scales ? scales[j] : 1.0f);
+    for (int64_t d = 0; d < D16; d += 16) _mm512_store_ps(o + d, _mm512_mul_ps(load<DT>(rows[j] + d * ES), sc));
+    if (D16 < D) _mm512_store_ps(o + D16, _mm512_mul_ps(load<DT>(rows[j] + D16 * ES, tm), sc));
+    out[j] = reinterpret_cast<const char*>(o);
+  }
+  for (int j = n; j < TILE; ++j) out[j] = zero;
+}
+
+// One work item, as kvlm_decode::attend_range_t: rows [0, R) of group g of sequence b against keys [j0, j1);
+// the key and value pools both of DT (the RoPE pool float32).
+//
+// WIDEN: bf16 / int8 rows are first widened into a float tile (scales applied) that the micro-kernels then read
+// as float32. Widening in registers costs two conversions per loaded vector in each of the 2 R / 4 passes over
+// the tile (for MLA's 12 rows, 50 % more vector instructions than FMAs); widening once costs them once, so it
+// is the choice for many rows (kWidenRows) and in-register loads the choice for few (GQA / MHA, memory-bound).
+template <DType DT, int TILE, bool WIDEN>
+void attend_range(const Job& J, const float* q, const float* qr, int64_t b, int64_t g, int64_t j0, int64_t j1,
+                  const int64_t* lo, const int64_t* hi, float* m, float* l, float* acc) {
+  constexpr int ES = Elem<DT>::size;
+  constexpr DType LD = WIDEN ? DType::f32 : DT;  // what the micro-kernels read
+  constexpr int NV = TILE / 16;  // score vectors per row of the tile
+  const int64_t R = J.R, Dk = J.Dk, Dv = J.Dv, Dr = J.Dr, Dkp = J.Dkp, Dvp = J.Dvp, Drp = J.Drp;
+  const bool quant = DT == DType::i8;
+  const bool latent = J.v_is_k;
+  // scores / probabilities (R x TILE) and a zero row for the slots past the range, 64-byte aligned
+  std::vector<Line> s_v(R * NV), zero_v(std::max({Dkp, Dvp, Drp, int64_t(16)}) / 16);
+  float* s = s_v.data()->f;
+  const char* zero = reinterpret_cast<const char*>(zero_v.data());
+  const char *kp[2][TILE], *vp[2][TILE], *krp[2][TILE];
+  float ks[2][TILE], vs[2][TILE];
+  std::vector<Line> wk_v(WIDEN ? TILE * Dkp / 16 : 0), wv_v(WIDEN && !latent ? TILE * Dvp / 16 : 0);
+  const char *wkp[TILE], *wvp[TILE];
+  const int32_t* tab = J.table + b * J.max_blocks;
+  int64_t max_lo = j0, min_hi = j1 - 1;  // every row sees [max_lo, min_hi] of the range
+  for (int64_t r = 0; r < R; ++r) {
+    max_lo = std::max(max_lo, lo[r]);
+    min_hi = std::min(min_hi, hi[r]);
+  }
+  auto fill = [&](int c, int64_t t) {  // the rows of the tile at t into slot c (nothing past j1)
+    const int n = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(TILE, j1 - t)));
+    tile_rows<TILE>(J.k, ES, tab, J.P, g, t, n, zero, kp[c], quant ? ks[c] : nullptr);
+    if (!latent) tile_rows<TILE>(J.v, ES, tab, J.P, g, t, n, zero, vp[c], quant ? vs[c] : nullptr);
+    if (Dr) tile_rows<TILE>(J.kr, 4, tab, J.P, 0, t, n, zero, krp[c], nullptr);
+  };
+  const float ninf = -std::numeric_limits<float>::infinity();
+  const __m512 vninf = _mm512_set1_ps(ninf);
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const float scale = static_cast<float>(J.scale);
+  const int64_t R4 = R / 4 * 4, nvv = (Dv + 15) / 16;
+  const __mmask16 last_v = tail_mask(Dv);
+  // the running sums as vectors (reduced at the end), the caller's l in lane 0
+  std::vector<Line> lv_v(R);
+  __m512* lv = reinterpret_cast<__m512*>(lv_v.data());
+  for (int64_t r = 0; r < R; ++r) lv[r] = _mm512_set_ps(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, l[r]);
+  fill(0, j0);
+  int cur = 0;
+  for (int64_t t0 = j0; t0 < j1; t0 += TILE, cur ^= 1) {
+    const int n = static_cast<int>(std::min<int64_t>(TILE, j1 - t0));
+    const bool more = t0 + TILE < j1;
+#ifdef KVLM_NO_PREFETCH
+    const bool pf_on = false;
+#else
+    const bool pf_on = more;
+#endif
+    if (more) fill(cur ^ 1, t0 + TILE);
+    const char* const* K = kp[cur];
+    const char* const* Vr = latent ? kp[cur] : vp[cur];
+    const char* const* KR = krp[cur];
+    const float* kscale = quant ? ks[cur] : nullptr;
+    const float* vscale = quant ? (latent ? ks[cur] : vs[cur]) : nullptr;
+    if (WIDEN) {
+      widen<DT, TILE>(K, kscale, n, Dk, wk_v.data()->f, Dkp, zero, wkp);
+      if (!latent) widen<DT, TILE>(Vr, vscale, n, Dv, wv_v.data()->f, Dvp, zero, wvp);
+      K = wkp;
+      Vr = latent ? wkp : wvp;
+      kscale = vscale = nullptr;
+    }
+    // scores: blocks of 4 rows x 4 keys, then the 2 or 3 rows left by 2 x 8 and 1 x 16; each row block runs
+    // over the whole tile, which stays in L1 while the blocks take turns (measured: the other order, every
+    // 4-key block used by all rows before the next, is 10 % slower for MLA's 12 rows)
+    auto block = [&](auto rb_tag, int64_t r0, int y0) {
+      constexpr int RB = decltype(rb_tag)::value, KB = 16 / RB;
+      const bool first = r0 == 0 && pf_on;
+      const __m512 sv = score16<LD, RB, KB>(q + r0 * Dkp, Dkp, qr + r0 * Drp, Drp, K + y0, KR + y0,
+                                            kscale ? kscale + y0 : nullptr, Dk, Dr,
+                                            first ? kp[cur ^ 1] + y0 : nullptr,
+                                            first && Dr ? krp[cur ^ 1] + y0 : nullptr);
+      alignas(64) float tmp[16];
+      _mm512_store_ps(tmp, _mm512_mul_ps(sv, _mm512_set1_ps(scale)));
+      for (int x = 0; x < RB; ++x) std::memcpy(s + (r0 + x) * TILE + y0, tmp + x * KB, KB * sizeof(float));
+    };
+    for (int64_t r0 = 0; r0 < R4; r0 += 4)
+      for (int y0 = 0; y0 < TILE; y0 += 4) block(std::integral_constant<int, 4>(), r0, y0);
+    if (R - R4 >= 2)
+      for (int y0 = 0; y0 < TILE; y0 += 8) block(std::integral_constant<int, 2>(), R4, y0);
+    if ((R - R4) % 2)
+      for (int y0 = 0; y0 < TILE; y0 += 16) block(std::integral_constant<int, 1>(), R - 1, y0);
+    // online softmax per row; only a tile at an end of some row's visible range is masked. The running max
+    // moves rarely after the first tiles: a compare finds whether it does, and only then is the tile's max
+    // reduced and the row's accumulators rescaled. The sums stay vectors (lv) until the end.
+    const bool masked = t0 < max_lo || t0 + TILE - 1 > min_hi;
+    __m512 vsc[NV];
+    if (vscale)
+      for (int u = 0; u < NV; ++u) vsc[u] = _mm512_loadu_ps(vscale + 16 * u);
+    for (int64_t r = 0; r < R; ++r) {
+      __m512 sr[NV];
+      __mmask16 vis[NV];
+      __m512 vm = _mm512_set1_ps(m[r]);
+      __mmask16 up = 0;
+      for (int u = 0; u < NV; ++u) {
+        sr[u] = _mm512_load_ps(s + r * TILE + 16 * u);
+        if (masked) {
+          const __m512 idx = _mm512_add_ps(iota, _mm512_set1_ps(static_cast<float>(t0 + 16 * u)));
+          const float h = static_cast<float>(std::min<int64_t>(hi[r], t0 + n - 1));
+          vis[u] = _mm512_cmp_ps_mask(idx, _mm512_set1_ps(static_cast<float>(lo[r])), _CMP_GE_OQ) &
+                   _mm512_cmp_ps_mask(idx, _mm512_set1_ps(h), _CMP_LE_OQ);
+          sr[u] = _mm512_mask_blend_ps(vis[u], vninf, sr[u]);
+        }
+        up |= _mm512_cmp_ps_mask(sr[u], vm, _CMP_GT_OQ);
+      }
+      float* pr = s + r * TILE;
+      if (up) {  // a new running max (the first visible keys included): rescale what the row has summed
+        __m512 mx = sr[0];
+        for (int u = 1; u < NV; ++u) mx = _mm512_max_ps(mx, sr[u]);
+        const float mn = _mm512_reduce_max_ps(mx);
+        const __m512 va = _mm512_set1_ps(std::exp(m[r] - mn));  // 0 on the first visible tile
+        float* ar = acc + r * Dvp;
+        for (int64_t d = 0; d < Dvp; d += 16) _mm512_store_ps(ar + d, _mm512_mul_ps(_mm512_load_ps(ar + d), va));
+        lv[r] = _mm512_mul_ps(lv[r], va);
+        m[r] = mn;
+        vm = _mm512_set1_ps(mn);
+      } else if (m[r] == ninf) {  // nothing visible yet
+        for (int u = 0; u < NV; ++u) _mm512_store_ps(pr + 16 * u, _mm512_setzero_ps());
+        continue;
+      }
+      __m512 sum = lv[r];
+      for (int u = 0; u < NV; ++u) {
+        __m512 p = exp_nonpos(_mm512_sub_ps(sr[u], vm));
+        if (masked) p = _mm512_maskz_mov_ps(vis[u], p);
+        sum = _mm512_add_ps(sum, p);
+        _mm512_store_ps(pr + 16 * u, vscale ? _mm512_mul_ps(p, vsc[u]) : p);
+      }
+      lv[r] = sum;
+    }
+    // values: row blocks of 4, then 2, then 1, each over chunks of 4 vectors of Dv; the next tile's value rows
+    // prefetched by the first block (GQA / MHA; MLA's value is its key, prefetched already)
+    const char* const* pfv = !latent && pf_on ? vp[cur ^ 1] : nullptr;
+    int64_t r0 = 0;
+    auto vrows = [&](auto rb_tag) {
+      constexpr int RB = decltype(rb_tag)::value;
+      for (int64_t z0 = 0; z0 < nvv; z0 += 4)
+        values_chunk<LD, RB>(s + r0 * TILE, TILE, Vr, n, nvv, last_v, z0, acc + r0 * Dvp, Dvp,
+                             r0 == 0 ? pfv : nullptr);
+      r0 += RB;
+    };
+    while (R - r0 >= 4) vrows(std::integral_constant<int, 4>());
+    if (R - r0 >= 2) vrows(std::integral_constant<int, 2>());
+    if (R - r0 >= 1) vrows(std::integral_constant<int, 1>());
+  }
+  for (int64_t r = 0; r < R; ++r) l[r] = _mm512_reduce_add_ps(lv[r]);
+}
+
+}  // namespace avx512
+}  // namespace kvlm_decode
