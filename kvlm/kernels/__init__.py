@@ -89,6 +89,18 @@ def _check_pool(q: torch.Tensor, view: BlockView, what: str) -> str | None:
     return None
 
 
+def _check_rope(q: torch.Tensor, k_rope: BlockView | None, partner: BlockView, name: str) -> str | None:
+    """Why the kernel cannot read the shared RoPE key pool beside ``partner`` (None if it can, or if none)."""
+    if k_rope is None:
+        return None
+    why = _check_pool(q, k_rope, "k_rope")
+    if why is None and (k_rope.pool.dim() != 3 or k_rope.scale is not None):
+        why = "grouped or quantized RoPE keys"
+    if why is None and not _same_pages(partner, k_rope):
+        why = f"{name} and k_rope on different pages"
+    return why
+
+
 def _same_pages(a: BlockView, b: BlockView) -> bool:
     if a.page_size != b.page_size:
         return False
@@ -151,12 +163,7 @@ def latent_decode(
     why = why or _check_pool(q_lat, c_kv, "c_kv")
     if why is None and c_kv.pool.dim() != 3:
         why = f"c_kv pool of shape {tuple(c_kv.pool.shape)} (latent blocks: not this kernel)"
-    if why is None and k_rope is not None:
-        why = _check_pool(q_lat, k_rope, "k_rope")
-        if why is None and (k_rope.pool.dim() != 3 or k_rope.scale is not None):
-            why = "grouped or quantized RoPE keys"
-        if why is None and not _same_pages(c_kv, k_rope):
-            why = "c_kv and k_rope on different pages"
+    why = why or _check_rope(q_lat, k_rope, c_kv, "c_kv")
     if why is not None:
         return _unavailable(strict, why)
     q = q_lat.reshape(B, 1, H * T, Dc)
@@ -198,12 +205,7 @@ def latent_block_decode(
     why = _cpu_reason(q_lat, n_new) or _check_pool(q_lat, c_kv, "c_kv")
     if why is None and (c_kv.pool.dim() != 4 or c_kv.pool.shape[1] != G or c_kv.pool.shape[-1] != D):
         why = f"c_kv pool of shape {tuple(c_kv.pool.shape)} for {G} latent blocks of {D}"
-    if why is None and k_rope is not None:
-        why = _check_pool(q_lat, k_rope, "k_rope")
-        if why is None and (k_rope.pool.dim() != 3 or k_rope.scale is not None):
-            why = "grouped or quantized RoPE keys"
-        if why is None and not _same_pages(c_kv, k_rope):
-            why = "c_kv and k_rope on different pages"
+    why = why or _check_rope(q_lat, k_rope, c_kv, "c_kv")
     if why is not None:
         return _unavailable(strict, why)
     q = q_lat.reshape(B, G, R * T, D)
@@ -238,12 +240,7 @@ def gqa_decode(
     if (q_rope is None) != (k_rope is None):
         raise ValueError("q_rope and k_rope go together")
     why = _cpu_reason(q, n_new) or _check_pool(q, k, "k") or _check_pool(q, v, "v")
-    if why is None and k_rope is not None:
-        why = _check_pool(q, k_rope, "k_rope")
-        if why is None and (k_rope.pool.dim() != 3 or k_rope.scale is not None):
-            why = "grouped or quantized RoPE keys"
-        if why is None and not _same_pages(k, k_rope):
-            why = "K and k_rope on different pages"
+    why = why or _check_rope(q, k_rope, k, "K")
     if why is None and (k.pool.dim() != 4 or v.pool.dim() != 4):
         why = f"K/V pools of shapes {tuple(k.pool.shape)}, {tuple(v.pool.shape)} (expected (N, G, P, D))"
     if why is None and (Hq % k.pool.shape[1] or k.pool.shape[1] != v.pool.shape[1]):
