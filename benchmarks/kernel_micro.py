@@ -2,7 +2,8 @@
 time against the per-operation floor max(bytes / bandwidth, FLOPs / peak), with bandwidth and peak measured here
 at the same thread count (kvlm.bench.hardware). With ``--baseline REV`` the kernel sources of git revision REV
 are built too (a separate extension) and both are timed interleaved in one process: medians of ``--repeats``
-alternating rounds, so a busy shared machine slows both alike.
+alternating rounds, so a busy shared machine slows both alike; base/new is the median over the rounds of the
+ratio of the two runs of a round.
 
     OMP_NUM_THREADS=2 python benchmarks/kernel_micro.py --baseline HEAD     # ~1 min after the builds
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import statistics
 import subprocess
 import tempfile
@@ -108,8 +110,10 @@ def main() -> None:
         print(
             f"hardware, {threads} threads: {hw['bandwidth_gbs']:.1f} GB/s, {hw['matmul_fp32_gflops']:.0f} GFLOP/s"
         )
+    print(f"load average (1 min) before timing: {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
     print(
         f"{'case':10s} {'kernel':5s} {'ms':>7s} {'GFLOP/s':>8s} {'GB/s':>6s} {'floor ms':>8s} {'x floor':>7s}"
+        + (f" {'base/new':>9s}" if a.baseline else "")
     )
     wanted = a.cases.split(",")
     for name, H, G, latent, D, dR, store in CASES:
@@ -132,8 +136,9 @@ def main() -> None:
         for k, ts in times.items():
             t = statistics.median(ts)
             line = f"{name:10s} {k:5s} {t * 1e3:7.2f} {flops / t / 1e9:8.1f} {nbytes / t / 1e9:6.1f}"
-            if floor:
-                line += f" {floor * 1e3:8.2f} {t / floor:7.2f}"
+            line += f" {floor * 1e3:8.2f} {t / floor:7.2f}" if floor else f" {'':8s} {'':7s}"
+            if k == "new" and "base" in times:  # per round, the two runs side by side: load hits both alike
+                line += f" {statistics.median(b / n for b, n in zip(times['base'], ts)):9.3f}"
             print(line, flush=True)
 
 

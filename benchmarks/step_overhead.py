@@ -11,7 +11,10 @@ Per variant (MHA, GQA-3, absorbed MLA) and batch (1, 8), medians of interleaved 
   (what kvlm bench's per-operation time now runs) or not (what it ran before);
 - ``weights x`` / ``LM head x``: (step - LM head) and LM head against their floors (kvlm.bench.roofline), with
   bandwidth and matmul peak measured here at the same thread count;
-- ``aten ops``: the operators one step dispatches (Python overhead scales with it).
+- ``aten ops``: the operators one step dispatches (Python overhead scales with it);
+- ``read-backs``: of those, the ones that copy a tensor's value to the host (``item``, ``is_nonzero``: a
+  device sync on an accelerator); the caches hand the kernels their key counts on the host, so this does
+  not grow with the layers (tests/test_step_memo.py).
 Prints a markdown table.
 """
 
@@ -36,12 +39,20 @@ VARIANTS_QUICK = ["mha", "gqa:n_kv_head=2", "mla:kv_lora_rank=32:rope_head_dim=8
 
 
 class _Count(TorchDispatchMode):
+    READ_BACKS = (
+        torch.ops.aten.item.default,
+        torch.ops.aten._local_scalar_dense.default,
+        torch.ops.aten.is_nonzero.default,
+    )
+
     def __init__(self):
         super().__init__()
         self.n = 0
+        self.read_backs = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.n += 1
+        self.read_backs += func in self.READ_BACKS
         return func(*args, **(kwargs or {}))
 
 
@@ -107,6 +118,7 @@ def one(spec: str, batch: int, shape: dict, hw: dict, reps: int) -> dict:
     ms["weights x"] = (ms["step"] - head_ms) / ops["weight GEMMs"]["floor_ms"]
     ms["LM head x"] = head_ms / ops["LM head"]["floor_ms"]
     ms["aten ops"] = c.n
+    ms["read-backs"] = c.read_backs
     return ms
 
 
@@ -128,6 +140,7 @@ def main() -> None:
         "weights x",
         "LM head x",
         "aten ops",
+        "read-backs",
     ]
     print("| variant | batch | " + " | ".join(cols) + " |\n|---|---:|" + "---:|" * len(cols))
     for spec in VARIANTS_QUICK if args.quick else VARIANTS:

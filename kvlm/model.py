@@ -156,12 +156,13 @@ class KVLM(nn.Module):
                 module.prepare_for_inference()
         return self
 
-    def pack_for_decode(self, rows: int | None) -> int:
-        """Pack every weight GEMM and the LM head into MKL's packed layout for steps of ``rows`` = batch x new
-        tokens rows (``Linear.pack_for_decode``); rows=None drops the packed copies. Other row counts keep the
-        unpacked path. Linears that read the same input and run as one GEMM at decode (SwiGLU's W1 and W2, MHA's
+    def pack_for_decode(self, rows: int | str | None) -> int:
+        """Pack every weight GEMM and the LM head for decode (``kvlm.attention.linear``): ``rows`` an int, MKL's
+        layout for steps of exactly ``rows`` = batch x new tokens rows (other row counts keep the unpacked path);
+        ``ANY_ROWS``, oneDNN's layout for steps of any number of rows (the serving engine); None drops the
+        packed copies. Linears that read the same input and run as one GEMM at decode (SwiGLU's W1 and W2, MHA's
         W^Q, W^K, W^V: ``GroupPacking``) are packed together instead of one by one. Returns how many weights were
-        packed (0 off CPU float32 / without MKL)."""
+        packed (0 off CPU float32 / without the library)."""
         groups = [g for g in self.modules() if isinstance(g, GroupPacking)]
         grouped = {id(m) for g in groups for m in g.pack_for_decode(rows)}
         linears = [m for m in self.modules() if isinstance(m, Linear)]
@@ -182,8 +183,11 @@ class KVLM(nn.Module):
         mode: str = "auto",
         last_only: bool = False,
         trace: list[tuple[int, str]] | None = None,
+        logits_rows: list[int] | torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """tokens (B, T) -> logits (B, T, vocab) (or (B, 1, vocab) with last_only).
+        """tokens (B, T) -> logits (B, T, vocab) (or (B, 1, vocab) with last_only; (len(logits_rows), T or 1,
+        vocab) for those batch rows only: the LM head, the largest GEMM at decode, runs on the rows that are
+        sampled, e.g. the last row of each prompt in a packed batch).
 
         Without a cache: the full causal forward. With a cache: the new tokens are appended (prefill or
         decode) and attend to everything cached. trace: a list to which each attention layer appends
@@ -212,6 +216,8 @@ class KVLM(nn.Module):
             cache.commit(step)
         if last_only:
             x = x[:, -1:]
+        if logits_rows is not None:
+            x = x[torch.as_tensor(logits_rows, device=x.device)]
         return self.lm_head(self.norm(x))
 
     # --- cache --------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from kvlm.attention.base import Linear
+from kvlm.attention.linear import ANY_ROWS, packing_available
 from kvlm.config import ModelConfig
 from kvlm.inference.generation import generate
 from kvlm.model import build_model
@@ -324,3 +325,86 @@ def test_lm_head_timing_runs_the_packed_head_where_the_step_does():
     assert packed_calls == 3  # warm-up + 2 timed calls, all packed
     assert not any(seen)  # batch 2: the step does not pack, nor does its timing
     assert model.lm_head._packed is None  # restored
+
+
+# --- weights packed for any row count (oneDNN; the serving engine) -----------------------------------------------
+needs_onednn = pytest.mark.skipif(not packing_available(ANY_ROWS), reason="torch built without oneDNN")
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [False, True])
+def test_any_rows_packed_linear_matches_plain(bias):
+    """One packing serves every row count from min_rows on (decode batches, packed prompt rows, prefill chunks);
+    fewer rows take F.linear."""
+    lin = _linear(bias)
+    assert lin.pack_for_decode(ANY_ROWS)
+    with torch.inference_mode():
+        for rows in (1, 3, 4, 5, 13, 64, 300):
+            x = torch.randn(rows, 1, 48)
+            want = F.linear(x.double(), lin.weight.double(), None if lin.bias is None else lin.bias.double())
+            fast = lin._packed_for(x, rows)
+            assert (fast is not None) == (rows >= Linear.min_rows)
+            if fast is not None:
+                torch.testing.assert_close(fast.double(), want, rtol=1e-5, atol=1e-5)
+            got = lin(x)
+            assert got.shape == (rows, 1, 40)
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_any_rows_packing_falls_back_when_stale():
+    lin = _linear(True)
+    lin.pack_for_decode(ANY_ROWS)
+    x = torch.randn(6, 48)
+    assert lin._packed_for(x, 6) is None  # autograd records: the plain path
+    with torch.no_grad():
+        assert lin._packed_for(x, 6) is not None
+        lin.weight.mul_(2.0)
+        assert lin._packed_for(x, 6) is None  # written since packing: stale
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
+    lin.train()
+    assert lin._packed is None
+    with pytest.raises(ValueError, match="rows must be"):
+        lin.pack_for_decode("some")
+
+
+@needs_onednn
+@pytest.mark.parametrize("attention", ["mla", "gqa", "mha"])
+def test_any_rows_packed_model_decode_matches_plain(attention, monkeypatch):
+    """The whole model packed once for any rows (grouped projections included) decodes batches of different
+    sizes and multi-token steps as the unpacked model does."""
+    torch.manual_seed(0)
+    extra = dict(n_kv_head=2) if attention == "gqa" else dict(kv_lora_rank=32, rope_head_dim=8)
+    extra = {} if attention == "mha" else extra
+    model = build_model(_cfg(attention, **extra)).eval().prepare_for_inference()
+    seen = _spy_groups(monkeypatch)
+    for B, n_new in ((5, 1), (2, 3), (8, 2)):
+        prompt = torch.randint(0, 97, (B, 9))
+        step = torch.randint(0, 97, (B, n_new))
+        outs = []
+        for packed in (False, True):
+            model.pack_for_decode(ANY_ROWS if packed else None)
+            cache = model.new_cache(B, 32)
+            with torch.inference_mode():
+                model(prompt, cache=cache)
+                outs.append(model(step, cache=cache))
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-5)
+    assert any(seen)  # the grouped projections ran packed
+    model.pack_for_decode(None)
+
+
+@needs_onednn
+def test_serving_engine_packs_for_any_rows_and_generate_leaves_it():
+    from kvlm.serve import Engine, SamplingParams
+
+    torch.manual_seed(0)
+    model = build_model(_cfg("mla", kv_lora_rank=32, rope_head_dim=8))
+    engine = Engine(model, cache_tokens=256, page_size=4)
+    assert engine.packed_weights > 0
+    assert model.lm_head._packed[0][2] == ANY_ROWS
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [3, 3], [9]]
+    got = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    want = generate(model, prompts, 6, pack_weights=False)
+    assert got == want
+    assert model.lm_head._packed[0][2] == ANY_ROWS  # generate did not repack or drop the engine's weights
+    assert not Engine(model, cache_tokens=256, page_size=4, pack_weights=False).packed_weights

@@ -427,6 +427,31 @@ def test_mixed_steps_run_one_forward_and_equal_generate(models, name):
     assert all(len(step) == 1 for step in results[64])
 
 
+def test_packed_step_runs_the_lm_head_on_each_sequences_last_row_only(models):
+    """In a packed step the LM head (the largest GEMM of a decode step) sees one row per sequence, its last, not
+    every prompt token; the logits of that row are the ones a model call without the cut gives."""
+    model = models["mla"]
+    params = SamplingParams(max_tokens=4, **GREEDY)
+    engine = Engine(model, cache_tokens=512, page_size=4, prefill_chunk=8)
+    head_rows = []
+    hook = model.lm_head.register_forward_pre_hook(lambda m, args: head_rows.append(args[0].shape[0]))
+    try:
+        engine.add_request(_prompts(1, lengths=(5,))[0], params)
+        engine.step()
+        engine.add_request(_prompts(1, lengths=(11,))[0], params)
+        del head_rows[:]
+        engine.step()  # one packed forward: 1 decode row + 8 prompt rows of two sequences
+    finally:
+        hook.remove()
+    assert head_rows == [2]
+    torch.manual_seed(0)
+    tokens = torch.randint(0, model.cfg.vocab_size, (5, 3))
+    with torch.inference_mode():
+        full = model(tokens)
+        cut = model(tokens, logits_rows=[4, 1])
+    torch.testing.assert_close(cut, full[[4, 1]])
+
+
 def test_greedy_equals_generate_through_mixed_steps_and_preemption(models):
     """Requests arriving while others decode, chunked prompts and preemption in a tiny pool: every schedule
     runs mixed forwards and the outputs still equal generate (float64)."""

@@ -376,6 +376,10 @@ EDGE_CASES = [  # (B, H, T, D_c, d_R, S, page size, cache dtype, start offset)
     (2, 6, 4, 250, 7, 90, 32, "bf16", 2),  # 24 rows, bf16 widened into a tile with a masked tail
     (2, 3, 2, 250, 7, 90, 32, "bf16", 2),  # 6 rows = 4 + 2, bf16 widened in registers with a masked tail
     (1, 12, 1, 256, 32, 1000, 64, "int8", 0),  # the bench's MLA shape, int8, many tiles
+    # float32, 8 to 31 rows: later tiles' lines prefetched spread over each tile's micro-kernel steps
+    (2, 12, 1, 256, 32, 300, 5, "fp32", 3),  # the MLA shape, pages of 5 across tiles, partial last tile
+    (1, 4, 4, 72, 8, 97, 3, "fp32", 0),  # 16 rows of 64 + 8 (narrow: tiles of 32), RoPE 8, pages of 3
+    (2, 9, 1, 130, 3, 45, 45, "fp32", 20),  # 9 rows = 4 + 4 + 1, widths 128 + 2 and 3, under two tiles
 ]
 
 

@@ -1,5 +1,6 @@
-"""What every mechanism shares: the contract (the ``Attention`` base class), the few-row ``Linear``, and the
-``GateEmbedding`` table type. ``Step`` and ``attend`` live in ``kvlm.attention.step`` and are re-exported here.
+"""What every mechanism shares: the contract (the ``Attention`` base class) and the ``GateEmbedding`` table type.
+``Step`` and ``attend`` (``kvlm.attention.step``) and the few-row ``Linear`` (``kvlm.attention.linear``) are
+re-exported here.
 
 The contract (DESIGN.md), all of it declared on ``Attention`` with a default, so that nothing outside a
 mechanism's file tests its name and nothing probes for attributes:
@@ -24,10 +25,9 @@ import math
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.utils.flop_counter import register_flop_formula
 
+from kvlm.attention.linear import ANY_ROWS, GroupPacking, Linear, PackedGroup  # noqa: F401 (re-exported)
 from kvlm.attention.step import MODES, Step, attend
 from kvlm.config import ModelConfig, spec_numel
 from kvlm.errors import ConfigError
@@ -40,179 +40,6 @@ MATERIALISED = "materialised"
 # GTA's and TPA's "auto": the in-place (absorbed / factorised) route when a call appends at most this many tokens
 # to a cache (decode, speculative chunks); longer prefills rebuild per-head keys once and run SDPA
 ABSORB_MAX_NEW = 16
-
-
-class Linear(nn.Linear):
-    """nn.Linear whose few-row products (decode: batch x 1 token) run as W x^T instead of x W^T.
-
-    Decode multiplies a handful of rows by every weight, so it is bound by reading the weights. On CPU, MKL
-    streams a (out, in) weight markedly faster as the left operand: measured on this project's 2-core machine,
-    the 32000 x 768 LM head at batch 8 took 12.4 ms this way against 25.6 ms for F.linear, the 768 x 2048 FFN
-    down-projection 1.0 ms against 3.0 ms. Below 4 rows it is the other way round (all weights of the reference
-    shape streamed, 2 threads: 2-3 rows 17 ms x W^T against 30 ms W x^T; 1 row ties), so those take F.linear.
-    Fastest at 4-16 rows: the weights packed for MKL's GEMM (``pack_for_decode``). Same parameters and state
-    dict as nn.Linear."""
-
-    small_rows = 16
-    min_rows = 4  # fewer rows: F.linear (benchmarks/decode_limit.py, "GEMMs alone")
-    # MKL's packed sgemm (the op Inductor's freezing uses) for one batch size: ``pack_for_decode(rows)``
-    _packed: tuple | None = None
-
-    def pack_for_decode(self, rows: int) -> bool:
-        """Reorder the weight once into MKL's packed GEMM layout for products of exactly ``rows`` rows (a
-        decode batch, or batch x new tokens). Streaming the reference shape's weights from memory at 4-8 rows it
-        ran 1.6x faster than the best unpacked layout, at 2-3 rows as fast as F.linear, at 1 row all tie
-        (benchmarks/decode_limit.py, "GEMMs alone"). float32 CPU weights with MKL only
-        (returns False otherwise); dropped by train(True), moving/casting, or any write to the weight."""
-        w = self.weight
-        if w.device.type != "cpu" or w.dtype != torch.float32 or not torch.backends.mkl.is_available():
-            self._packed = None
-            return False
-        key = (w.data_ptr(), _version(w), rows)
-        if self._packed is None or self._packed[0] != key:
-            with torch.no_grad():
-                self._packed = (key, torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), rows))
-        return True
-
-    def unpack(self) -> None:
-        self._packed = None
-
-    def train(self, mode: bool = True):
-        if mode:
-            self._packed = None
-        return super().train(mode)
-
-    def _apply(self, fn, recurse=True):
-        self._packed = None
-        return super()._apply(fn, recurse)
-
-    def _packed_for(self, x: torch.Tensor, rows: int) -> torch.Tensor | None:
-        key, packed = self._packed
-        w = self.weight
-        if key != (w.data_ptr(), _version(w), rows) or x.dtype != torch.float32:
-            return None
-        if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
-            return None  # the packed product has no backward through the packed weight
-        return torch.ops.mkl._mkl_linear(x, packed, w, self.bias, rows)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1] if x.numel() else 0
-        if self._packed is not None and x.device.type == "cpu":
-            y = self._packed_for(x, rows)
-            if y is not None:
-                return y
-        if rows < self.min_rows or rows > self.small_rows or x.device.type != "cpu":
-            return F.linear(x, self.weight, self.bias)
-        y = torch.mm(self.weight, x.reshape(rows, -1).t()).t()
-        if self.bias is not None:
-            y = y + self.bias
-        return y.contiguous().view(*x.shape[:-1], self.out_features)
-
-
-def _packed_linear_flops(input_shape, packed_shape, weight_shape, *args, out_shape=None, **kwargs) -> int:
-    """FLOPs of MKL's packed linear, as of the matmul it replaces (torch's FLOP counter lacks the op)."""
-    return 2 * math.prod(input_shape[:-1]) * input_shape[-1] * weight_shape[0]
-
-
-if torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear"):
-    try:
-        register_flop_formula(torch.ops.mkl._mkl_linear)(_packed_linear_flops)
-    except RuntimeError:  # registered already (a reload of this module)
-        pass
-
-
-def _version(w: torch.Tensor) -> int:
-    """The weight's in-place write counter (stale packed copies); inference tensors (a model built under
-    torch.inference_mode) have none: their packed copy is trusted until repacked."""
-    return -1 if w.is_inference() else w._version
-
-
-class PackedGroup:
-    """Linears that read the same input (q/k/v, SwiGLU's gate and up), packed at decode as one MKL GEMM
-    [W_1; ...; W_n] for products of exactly ``rows`` rows: one weight stream and one call instead of n. A
-    decode-time copy only: the parameters, the state dict and the unpacked path are untouched, and each output
-    equals its own packed product exactly (MKL computes every output column the same way). ``outputs`` returns
-    None when it does not apply (other rows, a weight written since, autograd, not float32 CPU)."""
-
-    def __init__(self, linears: list[Linear], rows: int):
-        ws = [m.weight for m in linears]
-        self.key = self._key(linears, rows)
-        self.rows = rows
-        self.sizes = [w.shape[0] for w in ws]
-        with torch.no_grad():
-            w = torch.cat([w.detach() for w in ws])
-            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(w, rows)
-            if any(m.bias is not None for m in linears):
-                zero = w.new_zeros
-                self.bias = torch.cat(
-                    [m.bias if m.bias is not None else zero(n) for m, n in zip(linears, self.sizes)]
-                )
-            else:
-                self.bias = None
-        # MKL reads only the packed copy at ``rows`` rows; the op takes the unpacked weight for its shape, so a
-        # zero-stride stand-in keeps the group from holding a third copy of the weights
-        self.shape_weight = w.new_zeros(()).expand(w.shape)
-
-    @staticmethod
-    def _key(linears: list[Linear], rows: int) -> tuple:
-        return tuple((m.weight.data_ptr(), _version(m.weight)) for m in linears) + (rows,)
-
-    @staticmethod
-    def build(linears: list[Linear], rows: int | None) -> PackedGroup | None:
-        """The group for ``rows``-row products, or None (rows None, not float32 CPU weights, or no MKL)."""
-        if rows is None or not torch.backends.mkl.is_available():
-            return None
-        for m in linears:  # plain float32 CPU tensors only (not a tensor-parallel shard's DTensor)
-            w = m.weight
-            if type(w.data) is not torch.Tensor or w.device.type != "cpu" or w.dtype != torch.float32:
-                return None
-        return PackedGroup(linears, rows)
-
-    def outputs(self, linears: list[Linear], x: torch.Tensor) -> list[torch.Tensor] | None:
-        rows = x.numel() // x.shape[-1] if x.numel() else 0
-        if rows != self.rows or x.dtype != torch.float32 or x.device.type != "cpu":
-            return None
-        if torch.is_grad_enabled() and (x.requires_grad or any(m.weight.requires_grad for m in linears)):
-            return None
-        if self._key(linears, rows) != self.key:
-            return None  # a weight was written or replaced since packing: the unfused path is exact
-        y = torch.ops.mkl._mkl_linear(x, self.packed, self.shape_weight, self.bias, rows)
-        return list(y.split(self.sizes, dim=-1))
-
-
-class GroupPacking(nn.Module):
-    """A module whose decode may run groups of its Linears (``packed_groups``: tuples of attribute names, each
-    reading the same input) as one ``PackedGroup`` each. ``pack_for_decode(rows)`` packs them (rows None drops
-    them) and returns the Linears it covered, which ``KVLM.pack_for_decode`` then leaves unpacked on their own;
-    train(True), moves and casts drop them."""
-
-    packed_groups: tuple[tuple[str, ...], ...] = ()
-
-    def pack_for_decode(self, rows: int | None) -> list[Linear]:
-        groups, covered = {}, []
-        for names in self.packed_groups:
-            linears = [getattr(self, n) for n in names]
-            group = PackedGroup.build(linears, rows)
-            if group is not None:
-                groups[names] = group
-                covered += linears
-        self.__dict__["_decode_groups"] = groups
-        return covered
-
-    def group_outputs(self, names: tuple[str, ...], x: torch.Tensor) -> list[torch.Tensor] | None:
-        """The outputs of the Linears ``names`` on x through their packed group, or None (not packed for this
-        call: the caller runs them one by one, which gives the same values)."""
-        group = self.__dict__.get("_decode_groups", {}).get(names)
-        return None if group is None else group.outputs([getattr(self, n) for n in names], x)
-
-    def train(self, mode: bool = True):
-        if mode:
-            self.__dict__["_decode_groups"] = {}
-        return super().train(mode)
-
-    def _apply(self, fn, recurse=True):
-        self.__dict__["_decode_groups"] = {}
-        return super()._apply(fn, recurse)
 
 
 class GateEmbedding(nn.Embedding):

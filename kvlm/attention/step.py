@@ -50,12 +50,15 @@ class Step:
             self.trace.append((layer_idx, route))
 
     def cos_sin(self, rope, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``rope.cos_sin(self.positions, dtype)`` (a ``RotaryEmbedding``), computed once per call for all the
-        layers whose rotary tables agree (same width, base and device)."""
+        """The rotary tables of the new tokens for ``apply_rope`` (``rope.cos_sin(self.positions, dtype,
+        full=True)``, whole-width: ``apply_rope``'s short form), computed once per call for all the layers whose
+        rotary tables agree (same width, base and device). Every position is below ``end`` (both builders place
+        them so), which spares the table's range check a read-back of the positions."""
         key = (rope.dim, rope.theta, dtype, rope.cos_table.device)
         angles = self.rope_angles.get(key)
         if angles is None:
-            angles = self.rope_angles[key] = rope.cos_sin(self.positions, dtype)
+            end = self.end if self.end > 0 else None  # 0: a Step built by hand, positions unchecked
+            angles = self.rope_angles[key] = rope.cos_sin(self.positions, dtype, end=end, full=True)
         return angles
 
     def visible(self, T: int, S: int, device: torch.device) -> torch.Tensor | None:
@@ -74,17 +77,21 @@ class Step:
         pad: torch.Tensor | None = None,
         mode: str = "auto",
         trace: list[tuple[int, str]] | None = None,
+        padded: bool | None = None,
     ) -> Step:
         """Positions and mask for new tokens written at slots [start, start + T).
 
-        pad (B,) counts left-padding slots per sequence (None or all zero: no padding); trace: see ``Step.trace``."""
+        pad (B,) counts left-padding slots per sequence (None or all zero: no padding); trace: see ``Step.trace``;
+        padded: whether any pad is non-zero when the caller knows it on the host (None: read ``pad`` back)."""
         if mode not in MODES:
             raise ValueError(f"unknown attention mode {mode!r}; known: {', '.join(MODES)}")
         B, T = token_ids.shape
         device = token_ids.device
         end = start + T
         slots = torch.arange(start, end, device=device)
-        if pad is None or not bool(pad.any()):
+        if padded is None:
+            padded = pad is not None and bool(pad.any())
+        if pad is None or not padded:
             positions = slots.expand(B, T)
             needs_mask = start > 0 and T > 1  # causal among the new tokens, all of the past visible
             mask = None
@@ -107,10 +114,10 @@ class Step:
     @staticmethod
     def build_ragged(
         token_ids: torch.Tensor,
-        seq_lens: torch.Tensor,
+        seq_lens: torch.Tensor | list[int],
         mode: str = "auto",
         trace: list[tuple[int, str]] | None = None,
-        n_new: torch.Tensor | None = None,
+        n_new: torch.Tensor | list[int] | None = None,
     ) -> Step:
         """Positions and mask for sequences with their own lengths (a paged cache: no shared slots, no padding).
 
@@ -122,19 +129,32 @@ class Step:
         ``n_new`` (B,): rows with fewer new tokens than T (several prefill chunks in one call), each row's
         n_new[b] real tokens last (left padding, so the last column is every row's last token). A padding token
         gets position len_b and sees keys [0, len_b], never an empty row (no NaN); the cache stores none of them
-        and no real token sees them, so their outputs are ignored."""
+        and no real token sees them, so their outputs are ignored.
+
+        ``seq_lens`` and ``n_new`` may be lists of ints (what a paged cache holds on the host): then ``start``,
+        ``end`` and the padding test need no read-back of a tensor."""
         if mode not in MODES:
             raise ValueError(f"unknown attention mode {mode!r}; known: {', '.join(MODES)}")
         B, T = token_ids.shape
         device = token_ids.device
-        seq_lens = seq_lens.to(device=device, dtype=torch.long)
+        if isinstance(seq_lens, list):  # host values: the bounds in Python, one host-to-device copy each
+            rows = n_new if n_new is not None else [T] * B
+            start = min(seq_lens)
+            end = max(n + max(r, 1) for n, r in zip(seq_lens, rows))  # last token at len_b + r_b - 1
+            padded = any(r != T for r in rows)
+            seq_lens = torch.tensor(seq_lens, dtype=torch.long, device=device)
+            n_new = torch.tensor(rows, dtype=torch.long, device=device) if padded else None
+        else:
+            seq_lens = seq_lens.to(device=device, dtype=torch.long)
+            padded = n_new is not None and bool((n_new != T).any())
+            start = end = None
         offsets = torch.arange(T, device=device)
-        padded = n_new is not None and bool((n_new != T).any())
         if padded:
             offsets = (offsets - (T - n_new.to(device=device, dtype=torch.long))[:, None]).clamp(min=0)
         positions = seq_lens[:, None] + offsets  # (B, T)
-        start = int(seq_lens.min())
-        end = int(positions[:, -1].max()) + 1
+        if start is None:
+            start = int(seq_lens.min())
+            end = int(positions[:, -1].max()) + 1
         mask = None
         # padded, ragged, or a chunk after cached tokens
         if padded or start != end - T or T > 1 and start > 0:

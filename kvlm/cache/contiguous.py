@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvlm.cache.layer import ContiguousLayer
+from kvlm.cache.layer import ContiguousLayer, StepSlots
 from kvlm.errors import CacheError
 
 if TYPE_CHECKING:
@@ -55,9 +55,19 @@ class KVCache:
         )
         self.length = 0  # slots filled (shared by the batch)
         self.pad = torch.zeros(batch_size, dtype=torch.long, device=self.device)
+        # per step, the block views' start / end and their host totals, built once for all layers
+        self.slots = StepSlots(batch_size, self.device, self.pad)
         self.layers: list[ContiguousLayer] = [
             ContiguousLayer(
-                spec, batch_size, max_seq_len, dtype, mode == "naive", self.token_ids, self.device, self.pad
+                spec,
+                batch_size,
+                max_seq_len,
+                dtype,
+                mode == "naive",
+                self.token_ids,
+                self.device,
+                pad=self.pad,
+                slots=self.slots,
             )
             for spec in specs
         ]
@@ -102,7 +112,11 @@ class KVCache:
             fits(self)
         if mode == "auto" and self.mode == "naive":
             mode = "naive"  # a materialised K/V cache has one route
-        step = Step.build(tokens, self.length, self.pad, mode, trace)
+        # the padding read to the host once per call: Step.build then needs no read-back of its own, and the
+        # layers' block views take their key counts from it (``StepSlots``) instead of one read-back per layer
+        pads = self.pad.tolist()
+        step = Step.build(tokens, self.length, self.pad, mode, trace, padded=any(pads))
+        self.slots.note_pad(step, pads)
         step.cached_token_ids = self.append_token_ids(tokens, step)
         return step
 

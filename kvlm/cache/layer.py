@@ -43,6 +43,10 @@ class BlockView:
     end: torch.Tensor  # (B,) int32
     page_size: int
     scale: torch.Tensor | None = None
+    # end - start summed over the sequences and its maximum, when the cache knows them on the host: a kernel
+    # needs them (FLOP count, split of the key axis) and reading the tensors back costs a sync per layer
+    keys: int | None = None
+    longest: int | None = None
 
 
 class CacheLayer(Mapping[str, torch.Tensor]):
@@ -120,17 +124,54 @@ class CacheLayer(Mapping[str, torch.Tensor]):
         raise NotImplementedError
 
 
+class StepSlots:
+    """What the ``block_view``s of every layer of one contiguous cache share in a step: the block table
+    arange(B)[:, None] (fixed), each sequence's first key (its left padding) and last, and their host totals.
+    Built on the first ``block_view`` of a step and kept for the others (one small tensor op per step, not
+    per layer, and no read-back of the padding per layer). Keyed by the ``Step`` object, which every model
+    call builds anew, so values of an earlier step (another end, another padding) are never served."""
+
+    def __init__(self, batch_size: int, device, pad: torch.Tensor | None):
+        self.batch_size = batch_size
+        self.pad = pad  # (B,) left padding (the model cache's tensor, mutable between steps)
+        self.table = torch.arange(batch_size, dtype=torch.int32, device=device)[:, None]
+        self._step: Step | None = None
+        self._slots: tuple | None = None
+        self._host_pad: tuple | None = None  # (step, pads as ints) noted by the cache when it built the step
+
+    def note_pad(self, step: Step, pads: list[int]) -> None:
+        """The padding ``step`` was built with, already read to the host by the caller (spares a read-back)."""
+        self._host_pad = (step, pads)
+
+    def get(self, step: Step) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """(start, end) int32 tensors and the host (keys, longest) of ``step``."""
+        if self._step is not step:
+            B, device = self.batch_size, self.table.device
+            if self._host_pad is not None and self._host_pad[0] is step:
+                pads = self._host_pad[1]
+            else:
+                pads = self.pad.tolist() if self.pad is not None else [0] * B
+            start = (
+                self.pad.to(torch.int32)
+                if self.pad is not None
+                else torch.zeros(B, dtype=torch.int32, device=device)
+            )
+            end = torch.full((B,), step.end, dtype=torch.int32, device=device)
+            self._slots = (start, end, B * step.end - sum(pads), step.end - min(pads, default=0))
+            self._step = step
+        return self._slots
+
+
 class ContiguousLayer(CacheLayer):
     """Today's layout: one preallocated (B, *lead, max_seq_len, last) buffer per cached tensor. The filled
     part ``buf[..., :end, :]`` is a strided view, so attention reads the cache without a copy."""
 
-    def __init__(self, spec, batch_size, max_seq_len, dtype, naive, token_ids=None, device="cpu", pad=None):
+    def __init__(
+        self, spec, batch_size, max_seq_len, dtype, naive, token_ids=None, device="cpu", pad=None, slots=None
+    ):
         super().__init__(spec, batch_size, max_seq_len, dtype, naive, token_ids)
-        self._pad = pad  # (B,) left padding, shared with the model cache (the start of each sequence's keys)
-        # block_view's block table, arange(B)[:, None] int32 (one page per sequence, never changes), and the
-        # (step, start, end) of its last step, shared by the layer's tensors
-        self._table: torch.Tensor | None = None
-        self._view_step: tuple | None = None
+        # block_view's per-step table / start / end, shared by the layers of one model cache (``StepSlots``)
+        self._slots = slots if slots is not None else StepSlots(batch_size, device, pad)
         self.buffers: dict[str, torch.Tensor] = {}
         for name, shape in self.spec.items():
             *lead, last = shape
@@ -138,27 +179,26 @@ class ContiguousLayer(CacheLayer):
 
     def append(self, name: str, value: torch.Tensor, step: Step) -> torch.Tensor:
         buf = self.buffers[name]
-        buf[..., step.start : step.end, :] = value.to(buf.dtype)
+        buf[..., step.start : step.end, :] = value  # copy_ casts to the buffer's dtype
         return buf[..., : step.end, :]
 
     def store(self, name: str, value: torch.Tensor, step: Step) -> None:
-        buf = self.buffers[name]
-        buf[..., step.start : step.end, :] = value.to(buf.dtype)
+        self.buffers[name][..., step.start : step.end, :] = value
 
     def block_view(self, name: str, step: Step) -> BlockView:
         """One page per sequence, as long as the cache: its keys are slots [left pad, step.end). The block table,
-        starts and ends are built once per step and shared by the layer's tensors (fewer small ops per decode
-        step; a kernel sees by identity that K and V lie on the same pages)."""
-        buf = self.buffers[name]
-        B, device = buf.shape[0], buf.device
-        if self._table is None:
-            self._table = torch.arange(B, dtype=torch.int32, device=device)[:, None]
-        if self._view_step is None or self._view_step[0] is not step:
-            start = self._pad if self._pad is not None else torch.zeros(B, dtype=torch.long, device=device)
-            end = torch.full((B,), step.end, dtype=torch.int32, device=device)
-            self._view_step = (step, start.to(torch.int32), end)
-        _, start, end = self._view_step
-        return BlockView(pool=buf, block_table=self._table, start=start, end=end, page_size=self.max_seq_len)
+        starts and ends are built once per step and shared by the cache's layers and tensors (``StepSlots``;
+        a kernel also sees by identity that K and V lie on the same pages)."""
+        start, end, keys, longest = self._slots.get(step)
+        return BlockView(
+            pool=self.buffers[name],
+            block_table=self._slots.table,
+            start=start,
+            end=end,
+            page_size=self.max_seq_len,
+            keys=keys,
+            longest=longest,
+        )
 
     def read(self, name: str, end: int) -> torch.Tensor:
         return self.buffers[name][..., :end, :]

@@ -72,6 +72,9 @@ class _Index:
     read_offs: torch.Tensor  # (B, end)
     block_table: torch.Tensor  # (B, max_blocks) int32
     seq_end: torch.Tensor  # (B,) int32 length after the call
+    seq_start: torch.Tensor  # (B,) int32 zeros: a sequence's keys start at its slot 0
+    keys: int  # sum of the lengths after the call (host), for the kernels' FLOP count
+    longest: int  # their maximum (host), for the kernels' split of the key axis
     write_rows: torch.Tensor | None = None  # padded rows: which of the B * T new tokens are real (stored)
 
 
@@ -149,14 +152,18 @@ class PagedLayer(CacheLayer):
         return pool[idx.read_pages[:, :end], idx.read_offs[:, :end]]
 
     def block_view(self, name: str, step: Step) -> BlockView:
+        """The call's index as a view: the same table / start / end tensors for every layer and name (built once
+        per call; a kernel sees by identity that K and V lie on the same pages), host totals included."""
         idx = self.cache.index
         return BlockView(
             pool=self.pools[name],
             block_table=idx.block_table,
-            start=torch.zeros_like(idx.seq_end),
+            start=idx.seq_start,
             end=idx.seq_end,
             page_size=self.cache.page_size,
             scale=self.scales.get(name),
+            keys=idx.keys,
+            longest=idx.longest,
         )
 
     # --- accounting -----------------------------------------------------------------------------
@@ -438,9 +445,11 @@ class PagedKVCache:
 
     def _build_index(self, seqs: list[_Seq], T: int, n_new: list[int] | None = None) -> _Index:
         B, P, dev = len(seqs), self.page_size, self.device
+        # the lengths after the call on the host (no read-back of a tensor, on any device)
+        ends = [s.length + k for s, k in zip(seqs, n_new if n_new is not None else [T] * B)]
         lens = torch.tensor([s.length for s in seqs], dtype=torch.long)
         n = torch.tensor(n_new, dtype=torch.long) if n_new is not None else torch.full((B,), T)
-        end = int((lens + n).max())
+        end = max(ends)
         width = self.pages_for(end)
         table = torch.tensor([s.pages + [0] * (width - len(s.pages)) for s in seqs], dtype=torch.long)
         slots = torch.arange(end)
@@ -450,7 +459,7 @@ class PagedKVCache:
         offsets = torch.arange(T)[None, :] - (T - n)[:, None]
         positions = lens[:, None] + offsets.clamp(min=0)
         write_rows = None
-        if bool((n != T).any()):
+        if n_new is not None and any(k != T for k in n_new):
             write_rows = (offsets >= 0).reshape(-1).nonzero().squeeze(1)
             positions = positions.reshape(-1)[write_rows]
             table_rows = torch.arange(B).repeat_interleave(n)
@@ -466,7 +475,10 @@ class PagedKVCache:
             read_pages=read_pages.to(dev),
             read_offs=(slots % P).expand(B, end).to(dev),
             block_table=table.to(device=dev, dtype=torch.int32),
-            seq_end=(lens + n).to(device=dev, dtype=torch.int32),
+            seq_end=torch.tensor(ends, dtype=torch.int32, device=dev),
+            seq_start=torch.zeros(B, dtype=torch.int32, device=dev),
+            keys=sum(ends),
+            longest=end,
             write_rows=write_rows.to(dev) if write_rows is not None else None,
         )
 

@@ -79,9 +79,8 @@ class PagedBatch:
         cache.index = idx = cache._build_index(seqs, T, self.n_new)
         if mode == "auto" and cache.mode == "naive":
             mode = "naive"  # a materialised K/V cache has one route
-        lens = torch.tensor([seq.length for seq in seqs], dtype=torch.long)
-        n_rows = torch.tensor(n_new, dtype=torch.long) if self.n_new is not None else None
-        step = Step.build_ragged(tokens, lens, mode, trace, n_new=n_rows)
+        # host lists: build_ragged takes its bounds from them with no read-back
+        step = Step.build_ragged(tokens, [seq.length for seq in seqs], mode, trace, n_new=self.n_new)
         if cache.token_pool is not None:
             flat = tokens.reshape(-1)
             if idx.write_rows is not None:
@@ -160,8 +159,7 @@ class PackedBatch:
         cache.index = idx = cache._build_index(rows, 1)
         if mode == "auto" and cache.mode == "naive":
             mode = "naive"
-        lens = torch.tensor([row.length for row in rows], dtype=torch.long)
-        step = Step.build_ragged(tokens, lens, mode, trace)
+        step = Step.build_ragged(tokens, [row.length for row in rows], mode, trace)
         if cache.token_pool is not None:
             cache.token_pool[idx.write_pages, idx.write_offs] = tokens.reshape(-1)
             step.cached_token_ids = cache.layers[0].token_ids(idx.end)

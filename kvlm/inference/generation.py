@@ -165,9 +165,9 @@ def _pack(model, batch: int, max_new_tokens: int, pack_weights: bool | None) -> 
         pack_weights = packs_for(model, batch) and max_new_tokens >= PACK_MIN_STEPS
     if not pack_weights:
         return False
-    head = model.lm_head
-    already = head._packed is not None and head._packed[0][2] == batch
-    return model.pack_for_decode(batch) > 0 and not already
+    if model.lm_head._packed is not None:
+        return False  # packed already (for this batch, or for any rows by a serving engine): leave it as it is
+    return model.pack_for_decode(batch) > 0
 
 
 def _as_prompts(prompt_ids) -> tuple[bool, list[list[int]]]:

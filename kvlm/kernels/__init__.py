@@ -68,10 +68,12 @@ def _cpu_reason(q: torch.Tensor, n_new: int) -> str | None:
         return f"{n_new} new tokens (more than {MAX_NEW}: prefill-sized)"
     if torch.is_grad_enabled() and q.requires_grad:
         return "autograd is recording (the kernel has no backward)"
-    if not cpu.enabled():
-        return f"disabled by {cpu.ENV}=0"
-    if cpu.extension() is None:
-        return f"the extension did not build ({cpu.build_error()})"
+    if cpu.extension() is None:  # None when disabled or not built (one check of the environment, not two)
+        return (
+            f"disabled by {cpu.ENV}=0"
+            if not cpu.enabled()
+            else f"the extension did not build ({cpu.build_error()})"
+        )
     return None
 
 
@@ -119,13 +121,15 @@ def _splits(items: int, view: BlockView) -> int:
     want = threads // math.gcd(items, threads)
     if want == 1:
         return 1
-    longest = int((view.end - view.start).max()) if view.end.numel() else 0
+    longest = view.longest  # the cache's host value; else one read-back of the view
+    if longest is None:
+        longest = int((view.end - view.start).max()) if view.end.numel() else 0
     return want if longest // want >= MIN_SPLIT_KEYS else 1
 
 
 def _keys(view: BlockView) -> int:
-    """Cached keys of all sequences of a view (for the FLOP count)."""
-    return int((view.end - view.start).sum())
+    """Cached keys of all sequences of a view (for the FLOP count): the cache's host value, else read back."""
+    return view.keys if view.keys is not None else int((view.end - view.start).sum())
 
 
 def _unavailable(strict: bool, why: str) -> None:

@@ -13,10 +13,10 @@
 // the RoPE part) and into its P value, so the codes are used as they are. With more rows (MLA) each tile is
 // widened once into a float tile, which costs fewer conversions than widening in every pass (measured: 3 %).
 // For MLA the key and the value are the same latent row: a tile is read from memory once for both (it stays in
-// L1 between the two passes). The next tile's rows are prefetched into L2 from inside the first row block's
-// loops, a few lines per FMA group, rather than in one burst that stalls on the fill buffers (the hardware
-// prefetcher does not follow the block table across pages; measured at 4096 keys: 5-20 % faster with it).
-// Build knobs, for measuring only: KVLM_NO_PREFETCH, KVLM_WIDEN_ROWS=n, KVLM_NO_AVX512 (the portable path).
+// L1 between the two passes). Later tiles' rows are prefetched into L2 (the hardware prefetcher does not follow
+// the block table across pages; see kPrefetchTiles for how: spread over a tile's work, or in a burst).
+// Build knobs, for measuring only: KVLM_NO_PREFETCH, KVLM_PREFETCH_TILES=n, KVLM_WIDEN_ROWS=n, KVLM_NO_AVX512
+// (the portable path).
 #pragma once
 
 #include <immintrin.h>
@@ -104,22 +104,25 @@ inline __m512 tree16(const __m512 (&a)[16]) {
 
 // Lane x KB + y = q_x . k_y (+ qr_x . kr_y), for RB rows of q (stride qs, qr stride qrs; zero-padded to whole
 // vectors) and KB key rows k[y] (Dk elements of DT, scaled by ks[y] when ks is given) with RoPE rows kr[y]
-// (Dr floats). pf: the next tile's KB key rows (and pfr its RoPE rows) to prefetch, or null.
+// (Dr floats). pk: the next tile's KB key rows (and pkr their RoPE rows) to prefetch, or null; pl: the spread
+// prefetch list (kPrefetchTiles), pls lines per step of 16 features, advanced.
 template <DType DT, int RB, int KB>
 inline __m512 score16(const float* q, int64_t qs, const float* qr, int64_t qrs, const char* const* k,
-                      const char* const* kr, const float* ks, int64_t Dk, int64_t Dr, const char* const* pf,
-                      const char* const* pfr) {
+                      const char* const* kr, const float* ks, int64_t Dk, int64_t Dr, const char* const* pk,
+                      const char* const* pkr, const char* const*& pl, int pls) {
   static_assert(RB * KB == 16, "a block is 16 scores");
   constexpr int ES = Elem<DT>::size;
   constexpr int64_t line = 64 / ES;  // elements per cache line: prefetch once per line
+  const char* const* pf = pl;  // a local copy stays in a register (the reference would be stored every step)
   __m512 a[16];
   for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
   const int64_t Dk16 = Dk & ~int64_t(15);
   for (int64_t d = 0; d < Dk16; d += 16) {
     __m512 qv[RB];
     for (int x = 0; x < RB; ++x) qv[x] = _mm512_load_ps(q + x * qs + d);
-    if (pf && d % line == 0)
-      for (int y = 0; y < KB; ++y) _mm_prefetch(pf[y] + d * ES, _MM_HINT_T1);
+    for (int i = 0; i < pls; ++i) _mm_prefetch(*pf++, _MM_HINT_T1);
+    if (pk && d % line == 0)
+      for (int y = 0; y < KB; ++y) _mm_prefetch(pk[y] + d * ES, _MM_HINT_T1);
     for (int y = 0; y < KB; ++y) {
       const __m512 kv = load<DT>(k[y] + d * ES);
       for (int x = 0; x < RB; ++x) a[x * KB + y] = _mm512_fmadd_ps(qv[x], kv, a[x * KB + y]);
@@ -139,31 +142,37 @@ inline __m512 score16(const float* q, int64_t qs, const float* qr, int64_t qrs, 
     }
   for (int64_t d = 0; d < Dr; d += 16) {
     const __mmask16 m = d + 16 <= Dr ? static_cast<__mmask16>(0xFFFF) : tail_mask(Dr);
-    if (pfr)
-      for (int y = 0; y < KB; ++y) _mm_prefetch(pfr[y] + 4 * d, _MM_HINT_T1);
+    for (int i = 0; i < pls; ++i) _mm_prefetch(*pf++, _MM_HINT_T1);
+    if (pkr)
+      for (int y = 0; y < KB; ++y) _mm_prefetch(pkr[y] + 4 * d, _MM_HINT_T1);
     for (int y = 0; y < KB; ++y) {
       const __m512 kv = _mm512_maskz_loadu_ps(m, reinterpret_cast<const float*>(kr[y]) + d);
       for (int x = 0; x < RB; ++x) a[x * KB + y] = _mm512_fmadd_ps(_mm512_load_ps(qr + x * qrs + d), kv, a[x * KB + y]);
     }
   }
+  pl = pf;
   return tree16(a);
 }
 
 // acc[x][d0 + 16 z + i] += sum_{j < n} p[x][j] v_j[d0 + 16 z + i] for RB rows and ZC vectors (mask mk[z] on the
-// loads: the tail of Dv reads as 0), the RB x ZC accumulators in registers across the tile. pf: the next
-// tile's value rows to prefetch (the same columns), or null.
-template <DType DT, int RB, int ZC>
+// loads: the tail of Dv reads as 0; FULL: no tail, plain loads), the RB x ZC accumulators in registers across
+// the tile. pv: the next tile's value rows to prefetch (the same columns), or null; pl: the spread prefetch
+// list, pls lines per key.
+template <DType DT, int RB, int ZC, bool FULL = false>
 inline void value_block(const float* p, int ps, const char* const* v, int n, int64_t d0, const __mmask16* mk,
-                        float* acc, int64_t as, const char* const* pf) {
+                        float* acc, int64_t as, const char* const* pv, const char* const*& pl, int pls) {
   constexpr int ES = Elem<DT>::size;
+  const char* const* pf = pl;
   __m512 a[RB][ZC];
   for (int x = 0; x < RB; ++x)
     for (int z = 0; z < ZC; ++z) a[x][z] = _mm512_load_ps(acc + x * as + d0 + 16 * z);
   for (int j = 0; j < n; ++j) {
     __m512 vv[ZC];
-    for (int z = 0; z < ZC; ++z) vv[z] = load<DT>(v[j] + (d0 + 16 * z) * ES, mk[z]);
-    if (pf)
-      for (int off = 0; off < 16 * ZC * ES; off += 64) _mm_prefetch(pf[j] + d0 * ES + off, _MM_HINT_T1);
+    for (int z = 0; z < ZC; ++z)
+      vv[z] = FULL ? load<DT>(v[j] + (d0 + 16 * z) * ES) : load<DT>(v[j] + (d0 + 16 * z) * ES, mk[z]);
+    for (int i = 0; i < pls; ++i) _mm_prefetch(*pf++, _MM_HINT_T1);
+    if (pv)
+      for (int off = 0; off < 16 * ZC * ES; off += 64) _mm_prefetch(pv[j] + d0 * ES + off, _MM_HINT_T1);
     for (int x = 0; x < RB; ++x) {
       const __m512 px = _mm512_set1_ps(p[x * ps + j]);
       for (int z = 0; z < ZC; ++z) a[x][z] = _mm512_fmadd_ps(px, vv[z], a[x][z]);
@@ -171,20 +180,25 @@ inline void value_block(const float* p, int ps, const char* const* v, int n, int
   }
   for (int x = 0; x < RB; ++x)
     for (int z = 0; z < ZC; ++z) _mm512_store_ps(acc + x * as + d0 + 16 * z, a[x][z]);
+  pl = pf;
 }
 
 // Columns [16 z0, 16 (z0 + 4)) of Dv (fewer at the end; nv vectors in all, the last masked by `last`) for
 // RB rows.
 template <DType DT, int RB>
 inline void values_chunk(const float* p, int ps, const char* const* v, int n, int64_t nv, __mmask16 last,
-                         int64_t z0, float* acc, int64_t as, const char* const* pf) {
+                         int64_t z0, float* acc, int64_t as, const char* const* pv, const char* const*& pl,
+                         int pls) {
   const int left = static_cast<int>(std::min<int64_t>(4, nv - z0));
   __mmask16 mk[4];
   for (int z = 0; z < left; ++z) mk[z] = z0 + z == nv - 1 ? last : static_cast<__mmask16>(0xFFFF);
-  if (left == 4) value_block<DT, RB, 4>(p, ps, v, n, 16 * z0, mk, acc, as, pf);
-  if (left == 3) value_block<DT, RB, 3>(p, ps, v, n, 16 * z0, mk, acc, as, pf);
-  if (left == 2) value_block<DT, RB, 2>(p, ps, v, n, 16 * z0, mk, acc, as, pf);
-  if (left == 1) value_block<DT, RB, 1>(p, ps, v, n, 16 * z0, mk, acc, as, pf);
+  if (left == 4 && mk[3] == 0xFFFF)  // whole vectors: plain loads (a masked load costs an extra uop on SKX)
+    value_block<DT, RB, 4, true>(p, ps, v, n, 16 * z0, mk, acc, as, pv, pl, pls);
+  else if (left == 4)
+    value_block<DT, RB, 4>(p, ps, v, n, 16 * z0, mk, acc, as, pv, pl, pls);
+  if (left == 3) value_block<DT, RB, 3>(p, ps, v, n, 16 * z0, mk, acc, as, pv, pl, pls);
+  if (left == 2) value_block<DT, RB, 2>(p, ps, v, n, 16 * z0, mk, acc, as, pv, pl, pls);
+  if (left == 1) value_block<DT, RB, 1>(p, ps, v, n, 16 * z0, mk, acc, as, pv, pl, pls);
 }
 
 // exp(x) for x <= 0 (scores minus their running max): Cephes' expf polynomial as decode_core.h's vexp, the
@@ -257,6 +271,20 @@ inline void widen(const char* const* rows, const float* scales, int n, int64_t D
   for (int j = n; j < TILE; ++j) out[j] = zero;
 }
 
+// Software prefetch of later tiles into L2 (the hardware prefetcher does not follow the block table across
+// pages). With many rows (MLA: compute-heavy tiles) the lines of the tile kPrefetchTiles ahead are issued a few
+// per step of the micro-kernels' loops, spread over the whole tile, so memory streams while the FMAs run
+// (measured, MLA fp32 at 4096 keys: 12-20 % faster than issuing them from the first row block, whose burst
+// fills the line-fill buffers and leaves nothing in flight for the rest of the tile). With few rows (GQA / MHA:
+// memory-bound, short tiles) and for widened bf16 / int8 tiles (a half / a quarter of the bytes) the next
+// tile's rows are prefetched by the first row block beside its own loads (measured: the spread list costs GQA /
+// MHA 15 % and MLA int8 5 %), and so with 32 rows or more (MLA with T = 4: 4x the FMAs per byte; measured: 3-9 %
+// slower spread).
+#ifndef KVLM_PREFETCH_TILES
+#define KVLM_PREFETCH_TILES 2
+#endif
+constexpr int kPrefetchTiles = KVLM_PREFETCH_TILES;
+
 // One work item, as kvlm_decode::attend_range_t: rows [0, R) of group g of sequence b against keys [j0, j1);
 // the key and value pools both of DT (the RoPE pool float32).
 //
@@ -277,7 +305,7 @@ void attend_range(const Job& J, const float* q, const float* qr, int64_t b, int6
   std::vector<Line> s_v(R * NV), zero_v(std::max({Dkp, Dvp, Drp, int64_t(16)}) / 16);
   float* s = s_v.data()->f;
   const char* zero = reinterpret_cast<const char*>(zero_v.data());
-  const char *kp[2][TILE], *vp[2][TILE], *krp[2][TILE];
+  const char *kp[2][TILE], *vp[2][TILE], *krp[2][TILE];  // this tile's rows and the next one's
   float ks[2][TILE], vs[2][TILE];
   std::vector<Line> wk_v(WIDEN ? TILE * Dkp / 16 : 0), wv_v(WIDEN && !latent ? TILE * Dvp / 16 : 0);
   const char *wkp[TILE], *wvp[TILE];
@@ -287,11 +315,39 @@ void attend_range(const Job& J, const float* q, const float* qr, int64_t b, int6
     max_lo = std::max(max_lo, lo[r]);
     min_hi = std::min(min_hi, hi[r]);
   }
-  auto fill = [&](int c, int64_t t) {  // the rows of the tile at t into slot c (nothing past j1)
+  // spread prefetch: the lines of the tile kPrefetchTiles ahead, pls per step of the micro-kernels (a step: 16
+  // or 32 FMAs) until the list is done
+#ifdef KVLM_NO_PREFETCH
+  const bool spread = false;
+#else
+  const bool spread = !WIDEN && R >= kWidenRows && R < 4 * kWidenRows;
+#endif
+  const int64_t score_steps = ((R / 4) * (TILE / 4) + (R % 4 >= 2) * (TILE / 8) + (R % 2) * (TILE / 16)) *
+                              ((Dk + 15) / 16 + (Dr + 15) / 16);
+  const int64_t steps = score_steps + (R / 4 + (R % 4 >= 2) + (R % 2)) * (((Dv + 15) / 16 + 3) / 4) * TILE;
+  const int64_t row_lines = (Dk * ES + 63) / 64 + (latent ? 0 : (Dv * ES + 63) / 64) + (Dr * 4 + 63) / 64;
+  const int pls = spread ? static_cast<int>((TILE * row_lines + steps - 1) / steps) : 0;
+  const int64_t call_steps = std::max<int64_t>((Dk + 15) / 16 + (Dr + 15) / 16, TILE);  // at most, in one call
+  std::vector<const char*> pl_v(spread ? TILE * row_lines + call_steps * pls : 1, zero);
+  const char* prow[TILE];
+  auto list_lines = [&](int64_t t) {
     const int n = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(TILE, j1 - t)));
-    tile_rows<TILE>(J.k, ES, tab, J.P, g, t, n, zero, kp[c], quant ? ks[c] : nullptr);
-    if (!latent) tile_rows<TILE>(J.v, ES, tab, J.P, g, t, n, zero, vp[c], quant ? vs[c] : nullptr);
-    if (Dr) tile_rows<TILE>(J.kr, 4, tab, J.P, 0, t, n, zero, krp[c], nullptr);
+    const char** o = pl_v.data();
+    auto add = [&](int64_t bytes) {
+      for (int j = 0; j < n; ++j)
+        for (int64_t off = 0; off < bytes; off += 64) *o++ = prow[j] + off;
+    };
+    tile_rows<TILE>(J.k, ES, tab, J.P, g, t, n, zero, prow, nullptr);
+    add(Dk * ES);
+    if (!latent) {
+      tile_rows<TILE>(J.v, ES, tab, J.P, g, t, n, zero, prow, nullptr);
+      add(Dv * ES);
+    }
+    if (Dr) {
+      tile_rows<TILE>(J.kr, 4, tab, J.P, 0, t, n, zero, prow, nullptr);
+      add(Dr * 4);
+    }
+    return o;
   };
   const float ninf = -std::numeric_limits<float>::infinity();
   const __m512 vninf = _mm512_set1_ps(ninf);
@@ -303,17 +359,28 @@ void attend_range(const Job& J, const float* q, const float* qr, int64_t b, int6
   std::vector<Line> lv_v(R);
   __m512* lv = reinterpret_cast<__m512*>(lv_v.data());
   for (int64_t r = 0; r < R; ++r) lv[r] = _mm512_set_ps(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, l[r]);
+  for (int k = 1; spread && k < kPrefetchTiles; ++k) {  // the tiles before the first one prefetched in the loop
+    for (const char* const *p = pl_v.data(), *const* e = list_lines(j0 + k * TILE); p < e; ++p)
+      _mm_prefetch(*p, _MM_HINT_T1);
+  }
+  auto fill = [&](int c, int64_t t) {  // the rows of the tile at t into slot c (nothing past j1)
+    const int n = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(TILE, j1 - t)));
+    tile_rows<TILE>(J.k, ES, tab, J.P, g, t, n, zero, kp[c], quant ? ks[c] : nullptr);
+    if (!latent) tile_rows<TILE>(J.v, ES, tab, J.P, g, t, n, zero, vp[c], quant ? vs[c] : nullptr);
+    if (Dr) tile_rows<TILE>(J.kr, 4, tab, J.P, 0, t, n, zero, krp[c], nullptr);
+  };
   fill(0, j0);
   int cur = 0;
   for (int64_t t0 = j0; t0 < j1; t0 += TILE, cur ^= 1) {
     const int n = static_cast<int>(std::min<int64_t>(TILE, j1 - t0));
     const bool more = t0 + TILE < j1;
-#ifdef KVLM_NO_PREFETCH
-    const bool pf_on = false;
-#else
-    const bool pf_on = more;
-#endif
     if (more) fill(cur ^ 1, t0 + TILE);
+    bool burst = !spread && more;
+#ifdef KVLM_NO_PREFETCH
+    burst = false;
+#endif
+    const char* const* pl_end = spread ? list_lines(t0 + kPrefetchTiles * TILE) : pl_v.data();
+    const char* const* pl = pl_v.data();
     const char* const* K = kp[cur];
     const char* const* Vr = latent ? kp[cur] : vp[cur];
     const char* const* KR = krp[cur];
@@ -331,11 +398,10 @@ void attend_range(const Job& J, const float* q, const float* qr, int64_t b, int6
     // 4-key block used by all rows before the next, is 10 % slower for MLA's 12 rows)
     auto block = [&](auto rb_tag, int64_t r0, int y0) {
       constexpr int RB = decltype(rb_tag)::value, KB = 16 / RB;
-      const bool first = r0 == 0 && pf_on;
+      const bool first = r0 == 0 && burst;
       const __m512 sv = score16<LD, RB, KB>(q + r0 * Dkp, Dkp, qr + r0 * Drp, Drp, K + y0, KR + y0,
-                                            kscale ? kscale + y0 : nullptr, Dk, Dr,
-                                            first ? kp[cur ^ 1] + y0 : nullptr,
-                                            first && Dr ? krp[cur ^ 1] + y0 : nullptr);
+                                            kscale ? kscale + y0 : nullptr, Dk, Dr, first ? kp[cur ^ 1] + y0 : nullptr,
+                                            first && Dr ? krp[cur ^ 1] + y0 : nullptr, pl, pl < pl_end ? pls : 0);
       alignas(64) float tmp[16];
       _mm512_store_ps(tmp, _mm512_mul_ps(sv, _mm512_set1_ps(scale)));
       for (int x = 0; x < RB; ++x) std::memcpy(s + (r0 + x) * TILE + y0, tmp + x * KB, KB * sizeof(float));
@@ -393,15 +459,14 @@ void attend_range(const Job& J, const float* q, const float* qr, int64_t b, int6
       }
       lv[r] = sum;
     }
-    // values: row blocks of 4, then 2, then 1, each over chunks of 4 vectors of Dv; the next tile's value rows
-    // prefetched by the first block (GQA / MHA; MLA's value is its key, prefetched already)
-    const char* const* pfv = !latent && pf_on ? vp[cur ^ 1] : nullptr;
+    // values: row blocks of 4, then 2, then 1, each over chunks of 4 vectors of Dv; in a burst, the next tile's
+    // value rows prefetched by the first block (GQA / MHA; MLA's value is its key, prefetched already)
     int64_t r0 = 0;
     auto vrows = [&](auto rb_tag) {
       constexpr int RB = decltype(rb_tag)::value;
       for (int64_t z0 = 0; z0 < nvv; z0 += 4)
         values_chunk<LD, RB>(s + r0 * TILE, TILE, Vr, n, nvv, last_v, z0, acc + r0 * Dvp, Dvp,
-                             r0 == 0 ? pfv : nullptr);
+                             r0 == 0 && burst && !latent ? vp[cur ^ 1] : nullptr, pl, pl < pl_end ? pls : 0);
       r0 += RB;
     };
     while (R - r0 >= 4) vrows(std::integral_constant<int, 4>());

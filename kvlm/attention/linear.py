@@ -1,0 +1,240 @@
+"""The few-row ``Linear`` of decode, and its packed weights (``PackedGroup`` / ``GroupPacking``).
+
+Decode multiplies a handful of rows (batch x new tokens) by every weight, so it is bound by reading the weights,
+and the layout the GEMM library reads them in matters more than the arithmetic. Two packed layouts, both a
+decode-time copy of the weight made once (parameters and state dict untouched, dropped by ``train(True)``, moves,
+casts or any write to the weight):
+
+- ``pack_for_decode(rows)``, rows an int: MKL's packed sgemm layout for products of exactly ``rows`` rows (what
+  Inductor's freezing uses for a static batch). The fastest where the row count is fixed (``generate`` at batch
+  4-16): streaming the reference shape's 268 MB of weights at 4-8 rows it ran 1.6x faster than the best unpacked
+  layout (benchmarks/decode_limit.py, "GEMMs alone"). Other row counts take the unpacked path.
+- ``pack_for_decode(ANY_ROWS)``: oneDNN's blocked layout, which serves any row count (what Inductor uses for a
+  dynamic batch). For the serving engine, whose steps have any number of rows. Measured on this project's 2-core
+  machine, the reference shape's weights at 1 thread (CPU time, the machine shared): 8 / 16 / 32 rows 51 / 61 /
+  101 ms against 104 / 96 / 149 ms unpacked and 41 / 50 / 89 ms for MKL's layout packed for exactly that count.
+
+Unpacked, 4-16 rows run as W x^T, which MKL streams faster than x W^T (the 32000 x 768 LM head at batch 8: 12.4 ms
+against 25.6 ms; the 768 x 2048 FFN down-projection 1.0 against 3.0 ms). Below ``min_rows`` (4) rows F.linear
+streams the weights as fast as any packed layout, so those always take it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.flop_counter import register_flop_formula
+
+ANY_ROWS = "any"  # pack_for_decode(ANY_ROWS): one layout for products of any number of rows (oneDNN)
+
+
+def packing_available(rows: int | str) -> bool:
+    """Whether this torch build has the library behind ``pack_for_decode(rows)``: MKL for a fixed row count,
+    oneDNN for ``ANY_ROWS``."""
+    if rows == ANY_ROWS:
+        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+def _check_rows(rows) -> None:
+    if rows != ANY_ROWS and (not isinstance(rows, int) or isinstance(rows, bool) or rows < 1):
+        raise ValueError(f"rows must be an integer >= 1 or {ANY_ROWS!r}, got {rows!r}")
+
+
+def _reorder(w: torch.Tensor, rows: int | str) -> torch.Tensor:
+    if rows == ANY_ROWS:
+        return torch.ops.mkldnn._reorder_linear_weight(w, None)
+    return torch.ops.mkl._mkl_reorder_linear_weight(w, rows)
+
+
+def _packed_product(x, packed, shape_weight, bias, rows: int | str) -> torch.Tensor:
+    if rows == ANY_ROWS:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return torch.ops.mkl._mkl_linear(x, packed, shape_weight, bias, rows)
+
+
+def _applies(rows: int | str, n: int) -> bool:
+    """Whether weights packed for ``rows`` serve a product of n rows."""
+    return n >= Linear.min_rows if rows == ANY_ROWS else n == rows
+
+
+def _version(w: torch.Tensor) -> int:
+    """The weight's in-place write counter (stale packed copies); inference tensors (a model built under
+    torch.inference_mode) have none: their packed copy is trusted until repacked."""
+    return -1 if w.is_inference() else w._version
+
+
+def _plain_cpu_float32(w: torch.Tensor) -> bool:
+    """A plain float32 CPU tensor (not a tensor-parallel shard's DTensor, not float64: the reference path)."""
+    return type(w.data) is torch.Tensor and w.device.type == "cpu" and w.dtype == torch.float32
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose few-row products (decode) run on packed weights (``pack_for_decode``) or as W x^T (see
+    the module docstring). Same parameters and state dict as nn.Linear."""
+
+    small_rows = 16
+    min_rows = 4  # fewer rows: F.linear (benchmarks/decode_limit.py, "GEMMs alone")
+    _packed: tuple | None = None  # ((data_ptr, version, rows), packed weight)
+
+    def pack_for_decode(self, rows: int | str) -> bool:
+        """Reorder the weight once into the packed layout for products of ``rows`` rows (an int: MKL, exactly
+        that count; ``ANY_ROWS``: oneDNN, any count). float32 CPU weights with the library only (returns False
+        otherwise)."""
+        _check_rows(rows)
+        w = self.weight
+        if not _plain_cpu_float32(w) or not packing_available(rows):
+            self._packed = None
+            return False
+        key = (w.data_ptr(), _version(w), rows)
+        if self._packed is None or self._packed[0] != key:
+            with torch.no_grad():
+                self._packed = (key, _reorder(w.detach(), rows))
+        return True
+
+    def unpack(self) -> None:
+        self._packed = None
+
+    def train(self, mode: bool = True):
+        if mode:
+            self._packed = None
+        return super().train(mode)
+
+    def _apply(self, fn, recurse=True):
+        self._packed = None
+        return super()._apply(fn, recurse)
+
+    def _packed_for(self, x: torch.Tensor, n: int) -> torch.Tensor | None:
+        key, packed = self._packed
+        w = self.weight
+        rows = key[2]
+        if not _applies(rows, n) or key != (w.data_ptr(), _version(w), rows) or x.dtype != torch.float32:
+            return None
+        if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+            return None  # the packed product has no backward through the packed weight
+        return _packed_product(x, packed, w, self.bias, rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1] if x.numel() else 0
+        if self._packed is not None and x.device.type == "cpu":
+            y = self._packed_for(x, rows)
+            if y is not None:
+                return y
+        if rows < self.min_rows or rows > self.small_rows or x.device.type != "cpu":
+            return F.linear(x, self.weight, self.bias)
+        y = torch.mm(self.weight, x.reshape(rows, -1).t()).t()
+        if self.bias is not None:
+            y = y + self.bias
+        return y.contiguous().view(*x.shape[:-1], self.out_features)
+
+
+def _packed_linear_flops(input_shape, packed_shape, weight_shape, *args, out_shape=None, **kwargs) -> int:
+    """FLOPs of MKL's packed linear, as of the matmul it replaces (torch's FLOP counter lacks the op)."""
+    return 2 * math.prod(input_shape[:-1]) * input_shape[-1] * weight_shape[0]
+
+
+def _pointwise_linear_flops(input_shape, weight_shape, *args, out_shape=None, **kwargs) -> int:
+    """FLOPs of oneDNN's linear on packed weights (out_features x in_features), as of the matmul it replaces."""
+    return 2 * math.prod(input_shape[:-1]) * input_shape[-1] * weight_shape[0]
+
+
+for _op, _formula in (("mkl", "_mkl_linear"), ("mkldnn", "_linear_pointwise")):
+    _namespace = getattr(torch.ops, _op)
+    if hasattr(_namespace, _formula):
+        try:
+            register_flop_formula(getattr(_namespace, _formula))(
+                _packed_linear_flops if _op == "mkl" else _pointwise_linear_flops
+            )
+        except RuntimeError:  # registered already (a reload of this module)
+            pass
+
+
+class PackedGroup:
+    """Linears that read the same input (q/k/v, SwiGLU's gate and up), packed at decode as one GEMM
+    [W_1; ...; W_n] for products of ``rows`` rows (as ``Linear.pack_for_decode``): one weight stream and one call
+    instead of n. A decode-time copy only: the parameters, the state dict and the unpacked path are untouched,
+    and each output equals its own packed product exactly (the library computes every output column the same
+    way). ``outputs`` returns None when it does not apply (other rows, a weight written since, autograd, not
+    float32 CPU)."""
+
+    def __init__(self, linears: list[Linear], rows: int | str):
+        ws = [m.weight for m in linears]
+        self.key = self._key(linears, rows)
+        self.rows = rows
+        self.sizes = [w.shape[0] for w in ws]
+        with torch.no_grad():
+            w = torch.cat([w.detach() for w in ws])
+            self.packed = _reorder(w, rows)
+            if any(m.bias is not None for m in linears):
+                zero = w.new_zeros
+                self.bias = torch.cat(
+                    [m.bias if m.bias is not None else zero(n) for m, n in zip(linears, self.sizes)]
+                )
+            else:
+                self.bias = None
+        # MKL reads only the packed copy at ``rows`` rows; the op takes the unpacked weight for its shape, so a
+        # zero-stride stand-in keeps the group from holding a third copy of the weights
+        self.shape_weight = w.new_zeros(()).expand(w.shape)
+
+    @staticmethod
+    def _key(linears: list[Linear], rows: int | str) -> tuple:
+        return tuple((m.weight.data_ptr(), _version(m.weight)) for m in linears) + (rows,)
+
+    @staticmethod
+    def build(linears: list[Linear], rows: int | str | None) -> PackedGroup | None:
+        """The group for ``rows``-row products, or None (rows None, not float32 CPU weights, or no library)."""
+        if rows is None:
+            return None
+        _check_rows(rows)
+        if not packing_available(rows) or not all(_plain_cpu_float32(m.weight) for m in linears):
+            return None
+        return PackedGroup(linears, rows)
+
+    def outputs(self, linears: list[Linear], x: torch.Tensor) -> list[torch.Tensor] | None:
+        n = x.numel() // x.shape[-1] if x.numel() else 0
+        if not _applies(self.rows, n) or x.dtype != torch.float32 or x.device.type != "cpu":
+            return None
+        if torch.is_grad_enabled() and (x.requires_grad or any(m.weight.requires_grad for m in linears)):
+            return None
+        if self._key(linears, self.rows) != self.key:
+            return None  # a weight was written or replaced since packing: the unfused path is exact
+        y = _packed_product(x, self.packed, self.shape_weight, self.bias, self.rows)
+        return list(y.split(self.sizes, dim=-1))
+
+
+class GroupPacking(nn.Module):
+    """A module whose decode may run groups of its Linears (``packed_groups``: tuples of attribute names, each
+    reading the same input) as one ``PackedGroup`` each. ``pack_for_decode(rows)`` packs them (rows None drops
+    them) and returns the Linears it covered, which ``KVLM.pack_for_decode`` then leaves unpacked on their own;
+    train(True), moves and casts drop them."""
+
+    packed_groups: tuple[tuple[str, ...], ...] = ()
+
+    def pack_for_decode(self, rows: int | str | None) -> list[Linear]:
+        groups, covered = {}, []
+        for names in self.packed_groups:
+            linears = [getattr(self, n) for n in names]
+            group = PackedGroup.build(linears, rows)
+            if group is not None:
+                groups[names] = group
+                covered += linears
+        self.__dict__["_decode_groups"] = groups
+        return covered
+
+    def group_outputs(self, names: tuple[str, ...], x: torch.Tensor) -> list[torch.Tensor] | None:
+        """The outputs of the Linears ``names`` on x through their packed group, or None (not packed for this
+        call: the caller runs them one by one, which gives the same values)."""
+        group = self.__dict__.get("_decode_groups", {}).get(names)
+        return None if group is None else group.outputs([getattr(self, n) for n in names], x)
+
+    def train(self, mode: bool = True):
+        if mode:
+            self.__dict__["_decode_groups"] = {}
+        return super().train(mode)
+
+    def _apply(self, fn, recurse=True):
+        self.__dict__["_decode_groups"] = {}
+        return super()._apply(fn, recurse)
