@@ -141,15 +141,17 @@ def _pointwise_linear_flops(input_shape, weight_shape, *args, out_shape=None, **
     return 2 * math.prod(input_shape[:-1]) * input_shape[-1] * weight_shape[0]
 
 
-for _op, _formula in (("mkl", "_mkl_linear"), ("mkldnn", "_linear_pointwise")):
-    _namespace = getattr(torch.ops, _op)
-    if hasattr(_namespace, _formula):
-        try:
-            register_flop_formula(getattr(_namespace, _formula))(
-                _packed_linear_flops if _op == "mkl" else _pointwise_linear_flops
-            )
-        except RuntimeError:  # registered already (a reload of this module)
-            pass
+def _register_flops(op, formula) -> None:
+    try:
+        register_flop_formula(op)(formula)
+    except RuntimeError:  # registered already (a reload of this module)
+        pass
+
+
+if hasattr(torch.ops.mkl, "_mkl_linear"):
+    _register_flops(torch.ops.mkl._mkl_linear, _packed_linear_flops)
+if hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+    _register_flops(torch.ops.mkldnn._linear_pointwise, _pointwise_linear_flops)
 
 
 class PackedGroup:

@@ -38,9 +38,8 @@ class RotaryEmbedding(nn.Module):
         """positions (B, T) -> cos, sin of shape (B, 1, T, dim/2), ready to broadcast over heads. ``end``: a bound
         the caller knows on the host (every position < end); within the table it spares reading positions back.
         ``full``: the whole-width tables [cos, cos] and [-sin, sin] (B, 1, T, dim) of ``apply_rope``'s short form."""
-        if end is not None and end <= self.cos_table.shape[0]:
-            pass
-        elif positions.numel() and int(positions.max()) >= self.cos_table.shape[0]:
+        n = self.cos_table.shape[0]
+        if (end is None or end > n) and positions.numel() and int(positions.max()) >= n:
             raise ValueError(
                 f"position {int(positions.max())} is beyond max_seq_len={self.cos_table.shape[0]}"
             )

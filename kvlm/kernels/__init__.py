@@ -138,6 +138,14 @@ def _unavailable(strict: bool, why: str) -> None:
     return None
 
 
+def _check_call(name: str, T: int, n_new: int, q_rope, k_rope) -> None:
+    """The errors every kernel entry raises for a malformed call (not a decline: a caller's bug)."""
+    if T != n_new:
+        raise ValueError(f"{name} has {T} new tokens, n_new says {n_new}")
+    if (q_rope is None) != (k_rope is None):
+        raise ValueError("q_rope and k_rope go together")
+
+
 def _scale(scale: torch.Tensor | None) -> torch.Tensor | None:
     """(N, *lead, P, 1) per-token scales as float32 (what the kernel reads)."""
     return None if scale is None else scale.to(torch.float32)
@@ -157,10 +165,7 @@ def latent_decode(
     q_rope (B, H, T, d_R) or None; c_kv pool (N, P, D_c), k_rope pool (N, P, d_R) on the same pages.
     None (or KernelUnavailable if ``strict``) when no kernel applies."""
     B, H, T, Dc = q_lat.shape
-    if T != n_new:
-        raise ValueError(f"q_lat has {T} new tokens, n_new says {n_new}")
-    if (q_rope is None) != (k_rope is None):
-        raise ValueError("q_rope and k_rope go together")
+    _check_call("q_lat", T, n_new, q_rope, k_rope)
     if q_lat.device.type == "cuda":
         return _latent_triton(q_lat, q_rope, c_kv, k_rope, scale, strict)
     why = _cpu_reason(q_lat, n_new)
@@ -200,10 +205,7 @@ def latent_block_decode(
     on CUDA one Triton call per block over strided views of the pool. None / KernelUnavailable as
     ``latent_decode``."""
     B, G, R, T, D = q_lat.shape
-    if T != n_new:
-        raise ValueError(f"q_lat has {T} new tokens, n_new says {n_new}")
-    if (q_rope is None) != (k_rope is None):
-        raise ValueError("q_rope and k_rope go together")
+    _check_call("q_lat", T, n_new, q_rope, k_rope)
     if q_lat.device.type == "cuda":
         return _latent_block_triton(q_lat, q_rope, c_kv, k_rope, scale, strict)
     why = _cpu_reason(q_lat, n_new) or _check_pool(q_lat, c_kv, "c_kv")
@@ -239,10 +241,7 @@ def gqa_decode(
     With q_rope (B, Hq, T, d_R) and k_rope pool (N, P, d_R), one RoPE key shared by every head (GTA), the
     scores gain q_rope k_rope^T."""
     B, Hq, T, D = q.shape
-    if T != n_new:
-        raise ValueError(f"q has {T} new tokens, n_new says {n_new}")
-    if (q_rope is None) != (k_rope is None):
-        raise ValueError("q_rope and k_rope go together")
+    _check_call("q", T, n_new, q_rope, k_rope)
     why = _cpu_reason(q, n_new) or _check_pool(q, k, "k") or _check_pool(q, v, "v")
     why = why or _check_rope(q, k_rope, k, "K")
     if why is None and (k.pool.dim() != 4 or v.pool.dim() != 4):
