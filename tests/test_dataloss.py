@@ -478,10 +478,11 @@ def test_compare_checks_its_output_folder_first(tmp_path, capsys, monkeypatch):
 
 
 # --- 7. Ctrl-C saves and exits cleanly ---------------------------------------------------------------------------
-# These tests need a fresh process's SIGINT state, which an xdist worker that ran other tests first may not have
-# (a C library's handler installed under Python's, the signal blocked): both failed once in a CI run and passed
-# alone and in the next run. The fixture restores that state; raise_signal delivers SIGINT to this (the main)
-# thread and runs its Python handler before returning, where os.kill may hand it to any thread of the worker.
+# These tests need a fresh interactive process's SIGINT state, which a test run may not have: started as a
+# background job of a non-interactive shell (`nohup ... &`, a CI script) it ignores SIGINT, and InterruptFlag
+# rightly leaves an ignored SIGINT alone (both tests failed so). The fixture sets that state (Python's handler,
+# SIGINT unblocked) and restores the old one; raise_signal delivers SIGINT to this (the main) thread and runs
+# its Python handler before returning, where os.kill may hand it to any thread of the worker.
 @pytest.fixture
 def default_sigint():
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # also re-installs Python's C handler
