@@ -95,6 +95,21 @@ class Block(nn.Module):
         x = x + self.dropout(self.attn(self.attn_norm(x), step, cache))
         return x + self.mlp(self.mlp_norm(x))
 
+    def forward_parts(self, x: torch.Tensor, parts: list[tuple[Step, object]]) -> torch.Tensor:
+        """x (N, d): the rows of several cache calls back to back (``KVLM.forward_parts``); parts: (step, view)
+        of each, in that order. Attention runs per call through its own view's layer; the norms and the MLP
+        run once on all N rows."""
+        h = self.attn_norm(x)
+        out, i = [], 0
+        for step, view in parts:
+            B, T = step.positions.shape
+            view.activate()
+            o = self.attn(h[i : i + B * T].view(B, T, -1), step, view.layers[self.attn.layer_idx])
+            out.append(o.reshape(B * T, -1))
+            i += B * T
+        x = x + self.dropout(torch.cat(out) if len(out) > 1 else out[0])
+        return x + self.mlp(self.mlp_norm(x))
+
 
 class KVLM(nn.Module):
     """The decoder-only language model of a ``ModelConfig``: token embedding, ``n_layer`` pre-norm blocks
@@ -218,6 +233,42 @@ class KVLM(nn.Module):
             x = x[:, -1:]
         if logits_rows is not None:
             x = x[torch.as_tensor(logits_rows, device=x.device)]
+        return self.lm_head(self.norm(x))
+
+    def forward_parts(
+        self, calls: list[tuple[torch.Tensor, object]], logits_rows: list[int] | torch.Tensor
+    ) -> torch.Tensor:
+        """Several cache calls as one forward: calls [(tokens (B_i, T_i), view_i)], the views of one paged cache
+        (``PagedBatch`` / ``PackedBatch``) over disjoint sequences, e.g. a step's decodes and its prefill chunks.
+        Each call's attention runs through its own view and ``Step``; the embedding, norms, MLP and LM head run
+        once on all N = sum B_i T_i rows, so a step streams those weights once (vLLM's mixed prefill and decode
+        batch), and the LM head only on ``logits_rows``: indices into the N rows, call i's B_i T_i rows
+        (row-major) after those of the calls before it. Returns logits (len(logits_rows), vocab)."""
+        if not calls:
+            raise ValueError("forward_parts needs at least one (tokens, view) call")
+        seen: set = set()
+        for tokens, view in calls:
+            if tokens.dim() != 2 or tokens.numel() == 0:
+                raise ValueError(f"tokens must be a non-empty (batch, seq) tensor, got shape {tuple(tokens.shape)}")
+            if not hasattr(view, "activate"):
+                raise CacheError(f"forward_parts takes paged views (PagedBatch, PackedBatch), got {type(view).__name__}")
+            if seen & set(view.seq_ids):
+                raise CacheError(f"sequences {sorted(map(str, seen & set(view.seq_ids)))} appear in two calls of one forward")
+            seen |= set(view.seq_ids)
+            self._check_token_ids(tokens, view)
+            self._check_cache_fits(view)
+        dtype = self.embed.weight.dtype
+        parts = [(view.begin_step(t, dtype, fits=self._check_cache_fits), view) for t, view in calls]
+        flat = torch.cat([t.reshape(-1) for t, _ in calls]) if len(calls) > 1 else calls[0][0].reshape(-1)
+        x = self.embed(flat)
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(torch.cat([step.positions.reshape(-1) for step, _ in parts]))
+        x = self.drop(x)
+        for layer in self.layers:
+            x = layer.forward_parts(x, parts)
+        for step, view in parts:
+            view.commit(step)
+        x = x[torch.as_tensor(logits_rows, dtype=torch.long, device=x.device)]
         return self.lm_head(self.norm(x))
 
     # --- cache --------------------------------------------------------------------------------

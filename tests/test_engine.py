@@ -11,7 +11,7 @@ import torch
 from conftest import all_variants, tiny_config
 
 from kvlm import build_model, generate
-from kvlm.cache import PagedKVCache
+from kvlm.cache import CacheError, PagedKVCache
 from kvlm.cache.paged_batch import PackedBatch
 from kvlm.serve import Engine, SamplingParams
 from kvlm.serve.engine import MIX_KEYS, plan_step
@@ -290,14 +290,13 @@ def test_prefill_chunks_of_several_requests_run_as_one_forward(models):
     prompts = _prompts(4, lengths=(30, 17, 20, 25))
     want = [generate(model, p, 4, **GREEDY) for p in prompts]
     engine = Engine(model, cache_tokens=512, page_size=4, prefill_chunk=256)
-    calls = []
-    hook = model.register_forward_pre_hook(lambda m, args: calls.append(tuple(args[0].shape)))
+    calls, hook = _forwards(model)
     try:
         ids = [engine.add_request(p, SamplingParams(max_tokens=4, **GREEDY)) for p in prompts]
         got = {i: [] for i in ids}
         for o in engine.step():  # all four prompts in, and their first tokens
             got[o.request_id] += o.new_token_ids
-        assert calls == [(4, 30)]
+        assert calls == [[((4, 30), "PagedBatch")]]
         while engine.has_unfinished():
             for o in engine.step():
                 got[o.request_id] += o.new_token_ids
@@ -322,13 +321,33 @@ def test_prefill_chunks_of_several_requests_run_as_one_forward(models):
 
 
 def _forwards(model):
-    """Record every forward's (tokens shape, cache view type); returns (calls, hook handle)."""
-    calls = []
+    """Record every forward of the model, each as the list of its cache calls' (tokens shape, view type): one
+    for ``model(tokens, cache=view)``, one per call for ``forward_parts``. Returns (forwards, undo)."""
+    forwards = []
 
     def hook(module, args, kwargs):
-        calls.append((tuple(args[0].shape), type(kwargs.get("cache")).__name__))
+        forwards.append([(tuple(args[0].shape), type(kwargs.get("cache")).__name__)])
 
-    return calls, model.register_forward_pre_hook(hook, with_kwargs=True)
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+    plain = model.forward_parts
+
+    def forward_parts(calls, logits_rows):
+        forwards.append([(tuple(t.shape), type(view).__name__) for t, view in calls])
+        return plain(calls, logits_rows)
+
+    model.forward_parts = forward_parts
+
+    class Undo:
+        @staticmethod
+        def remove():
+            handle.remove()
+            del model.forward_parts
+
+    return forwards, Undo
+
+
+def _calls(forwards):
+    return [call for forward in forwards for call in forward]
 
 
 def _one_per_mechanism():
@@ -390,10 +409,77 @@ def _check_packed(attention, overrides, kv_dtype):
         )
 
 
+PARTS_CACHED = (6, 0, 17, 9, 5)  # tokens each sequence holds before the forward_parts call
+PARTS_NEW = (1, 7, 1, 3, 4)  # its new tokens: decodes of 0 and 2, a padded group of 1 and 3, a packed call of 4
+
+
+@pytest.mark.parametrize(
+    "attention,overrides", [*_one_per_mechanism(), pytest.param("mha", {"arch": "gpt2"}, id="mha[arch=gpt2]")]
+)
+def test_forward_parts_equals_each_call_alone(attention, overrides):
+    """Three calls in one forward (a decode batch, a left-padded prefill group, a packed call: each attends
+    through its own view, the MLP and LM head run once on all rows) give, in float64, the logits of each
+    sequence run alone, and leave caches from which the next decodes agree."""
+    torch.manual_seed(0)
+    model = build_model(tiny_config(attention, **overrides)).double().eval().prepare_for_inference()
+    g = torch.Generator().manual_seed(5)
+    V = model.cfg.vocab_size
+    cached = [torch.randint(0, V, (n,), generator=g) for n in PARTS_CACHED]
+    new = [torch.randint(0, V, (n,), generator=g) for n in PARTS_NEW]
+    with torch.inference_mode():
+        caches = []
+        for _ in range(2):
+            cache = PagedKVCache.for_model(model, cache_tokens=256, page_size=4)
+            for i, c in enumerate(cached):
+                cache.add_sequence(i)
+                if len(c):
+                    model(c[None], cache=cache.batch([i]))
+            caches.append(cache)
+        alone, parts = caches
+        want = torch.stack([model(x[None], cache=alone.batch([i]))[0, -1] for i, x in enumerate(new)])
+        padded = torch.stack([torch.cat([torch.zeros(7 - len(x), dtype=x.dtype), x]) for x in (new[1], new[3])])
+        calls = [
+            (torch.cat([new[0], new[2]])[:, None], parts.batch([0, 2])),
+            (padded, parts.batch([1, 3], [7, 3])),
+            (new[4][:, None], PackedBatch(parts, [4], [4])),
+        ]
+        got = model.forward_parts(calls, [0, 1, 2 + 6, 2 + 13, 16 + 3])
+        torch.testing.assert_close(got, want[[0, 2, 1, 3, 4]], rtol=1e-10, atol=1e-10)
+        for i in range(5):
+            assert parts.seq_len(i) == alone.seq_len(i) == PARTS_CACHED[i] + PARTS_NEW[i]
+            assert parts.seqs[i].tokens == alone.seqs[i].tokens
+        step = torch.randint(0, V, (5, 1), generator=g)
+        torch.testing.assert_close(
+            model(step, cache=parts.batch(list(range(5)))),
+            model(step, cache=alone.batch(list(range(5)))),
+            rtol=1e-10,
+            atol=1e-10,
+        )
+
+
+def test_forward_parts_refuses_bad_calls(models):
+    model = models["mha"]
+    cache = PagedKVCache.for_model(model, cache_tokens=64, page_size=4)
+    for i in range(2):
+        cache.add_sequence(i)
+    one = torch.tensor([[3]])
+    with torch.inference_mode():
+        with pytest.raises(ValueError, match="at least one"):
+            model.forward_parts([], [])
+        with pytest.raises(CacheError, match="appear in two calls"):
+            model.forward_parts([(one, cache.batch([0])), (one, cache.batch([0]))], [0])
+        with pytest.raises(CacheError, match="paged views"):
+            model.forward_parts([(one, model.new_cache(1))], [0])
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            model.forward_parts([(torch.tensor([[500]]), cache.batch([1]))], [0])
+    assert cache.seq_len(0) == cache.seq_len(1) == 0 and cache.num_used_pages == 0
+
+
 @pytest.mark.parametrize("name", ["mla", "mha", "eg-mla"])
 def test_mixed_steps_run_one_forward_and_equal_generate(models, name):
-    """A step with decodes and prompt chunks is ONE forward (a packed batch of one-token rows); the greedy
-    output equals generate and the same engine without mixing (mix_tokens=0: two forwards a step)."""
+    """A step with decodes and prompt chunks is ONE forward: with mixing, one call of one-token rows (a packed
+    batch); without (mix_tokens=0), one call per padded chunk group beside the decodes' (``forward_parts``).
+    The greedy output equals generate both ways."""
     model = models[name]
     prompts = _prompts(3, lengths=(5, 11, 2))
     want = [generate(model, p, 8, **GREEDY) for p in prompts]
@@ -405,7 +491,7 @@ def test_mixed_steps_run_one_forward_and_equal_generate(models, name):
         try:
             ids = [engine.add_request(prompts[0], params)]
             got = {ids[0]: engine.step()[0].new_token_ids}  # a's prompt alone
-            assert calls == [((1, 5), "PagedBatch")]
+            assert calls == [[((1, 5), "PagedBatch")]]
             ids += [engine.add_request(p, params) for p in prompts[1:]]
             got.update({i: [] for i in ids[1:]})
             per_step = []
@@ -419,12 +505,12 @@ def test_mixed_steps_run_one_forward_and_equal_generate(models, name):
         assert [got[i] for i in ids] == want
         results[mix] = per_step
     # a decodes while b's prompt (11 tokens) goes in as 8 + 3 and c's (2) beside the 3
-    assert results[64][:2] == [[((9, 1), "PackedBatch")], [((6, 1), "PackedBatch")]]
+    assert results[64][:2] == [[[((9, 1), "PackedBatch")]], [[((6, 1), "PackedBatch")]]]
     assert results[0][:2] == [  # chunks of <= 16 tokens and different lengths are never padded together
-        [((1, 1), "PagedBatch"), ((1, 8), "PagedBatch")],
-        [((1, 1), "PagedBatch"), ((1, 3), "PagedBatch"), ((1, 2), "PagedBatch")],
+        [[((1, 1), "PagedBatch"), ((1, 8), "PagedBatch")]],
+        [[((1, 1), "PagedBatch"), ((1, 3), "PagedBatch"), ((1, 2), "PagedBatch")]],
     ]
-    assert all(len(step) == 1 for step in results[64])
+    assert all(len(step) == 1 for mix in (64, 0) for step in results[mix])
 
 
 def test_packed_step_runs_the_lm_head_on_each_sequences_last_row_only(models):
@@ -476,7 +562,7 @@ def test_greedy_equals_generate_through_mixed_steps_and_preemption(models):
         hook.remove()
     assert [got[i] for i in ids] == want
     assert engine.stats()["preemptions"] > 0 and engine.stats()["pages_used"] == 0
-    assert sum(kind == "PackedBatch" for _, kind in calls) >= 3
+    assert sum(kind == "PackedBatch" for _, kind in _calls(calls)) >= 3
 
 
 def test_plan_step_mixes_when_it_saves_a_forward():
@@ -640,4 +726,4 @@ def test_seeded_request_in_mixed_steps_samples_as_alone(models):
     finally:
         hook.remove()
     assert first != mine and got[mine] == alone
-    assert sum(kind == "PackedBatch" for _, kind in calls) >= 2
+    assert sum(kind == "PackedBatch" for _, kind in _calls(calls)) >= 2

@@ -7,6 +7,8 @@
 
 ``model(tokens, cache=view)`` calls ``begin_step`` before the layers (book the pages, place the new tokens, build
 the ragged ``Step``) and ``commit`` after them (the sequences' lengths and their full pages' prefix keys).
+``KVLM.forward_parts`` runs several views of one cache (disjoint sequences) in one forward: every view begins
+before the layers, and ``activate`` makes a view's index the cache's current one before its attention runs.
 """
 
 from __future__ import annotations
@@ -48,6 +50,12 @@ def _check(
     return seqs
 
 
+def activate(view) -> None:
+    if view.index is None:
+        raise CacheError("this view has not begun a step: begin_step() builds its index")
+    view.cache.index = view.index
+
+
 class PagedBatch:
     """Sequences ``seq_ids`` of a ``PagedKVCache`` as one model call's cache (row b of tokens is seq_ids[b])."""
 
@@ -58,6 +66,12 @@ class PagedBatch:
         self.layers = cache.layers
         self.specs = cache.specs
         self.mode = cache.mode
+        self.index = None  # this call's _Index, built by begin_step
+
+    def activate(self) -> None:
+        """Make this view's index the one the cache's layers read (``KVLM.forward_parts``: several views, one
+        forward)."""
+        activate(self)
 
     def begin_step(self, tokens: torch.Tensor, dtype: torch.dtype, mode: str = "auto", trace=None, fits=None):
         """Take the pages the new tokens (B, T) need (all or nothing: ``OutOfPages`` before any write), place
@@ -76,7 +90,7 @@ class PagedBatch:
         seqs = _check(cache, self.seq_ids, n_new, tokens, dtype, fits, self)
         for seq, n in zip(seqs, n_new):
             cache._reserve(seq, n)
-        cache.index = idx = cache._build_index(seqs, T, self.n_new)
+        cache.index = self.index = idx = cache._build_index(seqs, T, self.n_new)
         if mode == "auto" and cache.mode == "naive":
             mode = "naive"  # a materialised K/V cache has one route
         # host lists: build_ragged takes its bounds from them with no read-back
@@ -135,6 +149,11 @@ class PackedBatch:
         self.layers = cache.layers
         self.specs = cache.specs
         self.mode = cache.mode
+        self.index = None  # this call's _Index, built by begin_step
+
+    def activate(self) -> None:
+        """As ``PagedBatch.activate``."""
+        activate(self)
 
     @property
     def last_rows(self) -> list[int]:
@@ -156,7 +175,7 @@ class PackedBatch:
         for seq, n in zip(seqs, self.n_new):
             cache._reserve(seq, n)  # before the rows take their page lists (a copy on write replaces a page)
         rows = [_Row(seq.length + r, seq.pages) for seq, n in zip(seqs, self.n_new) for r in range(n)]
-        cache.index = idx = cache._build_index(rows, 1)
+        cache.index = self.index = idx = cache._build_index(rows, 1)
         if mode == "auto" and cache.mode == "naive":
             mode = "naive"
         step = Step.build_ragged(tokens, [row.length for row in rows], mode, trace)

@@ -7,24 +7,30 @@
             ...
 
 Each ``step()`` asks the ``Scheduler`` for this iteration's work (decodes of one token, prompt chunks of n) and
-runs it in as few forwards as pays (``plan_step``): the decodes and the shortest prompt chunks, up to
-``mix_tokens`` prompt tokens, go into ONE forward as a packed batch of one-token rows (``PackedBatch``: vLLM V1's
-flat varlen batch, no padding, each sequence at its own positions); longer chunks run as left-padded prefill
-forwards (``group_chunks``; the cache stores no padding). Then all requests whose tokens are computed are
-sampled together on one logits tensor (``sample_batch``: one argmax for the greedy rows; temperature, top-k and
-top-p for the others with one softmax and one sort, each drawing one number from its own seeded generator),
-the stop rules are applied (EOS unless ``ignore_eos``, stop token ids, stop strings on the decoded text,
-``max_tokens``, the model's context) and finished requests' pages are freed at once.
+runs all of it in ONE forward (``KVLM.forward_parts``: several cache calls whose attention runs per call, while
+the embedding, norms, MLP and LM head run once on all their rows, as vLLM's mixed prefill and decode batch).
+``plan_step`` splits the work into those calls: the decodes and the shortest prompt chunks, up to ``mix_tokens``
+prompt tokens, form one call of one-token rows (``PackedBatch``: vLLM V1's flat varlen batch, no padding, each
+sequence at its own positions); longer chunks form left-padded prefill calls (``group_chunks``; the cache stores
+no padding). The LM head runs on the rows that are sampled only (each finished chunk's last). Then all requests
+whose tokens are computed are sampled together on one logits tensor (``sample_batch``: one argmax for the greedy
+rows; temperature, top-k and top-p for the others with one softmax and one sort, each drawing one number from its
+own seeded generator), the stop rules are applied (EOS unless ``ignore_eos``, stop token ids, stop strings on the
+decoded text, ``max_tokens``, the model's context) and finished requests' pages are freed at once.
+
+One forward per step instead of one per call: at the reference shape (MLA, 2 threads, 32 clients with 128-token
+prompts, ``kvlm bench-serve --in-process``), 4.4-4.8 s against 5.2-6.0 s before, in one A/B run; a prefill step
+no longer streams the MLP and LM head weights a second time for its decodes.
 
 Why packing stops at ``mix_tokens`` (default 64): a packed prompt token runs the one-token route (the decode
-kernels) and reads its keys as a decode does (the LM head runs on the rows that are sampled only, a chunk's
-last); a prompt chunk alone runs the prefill route, which reads its keys once for all its
-tokens. Measured on the 2-layer d = 256 bench model (CPU, 1 thread, 8 or 32 decodes of 40 cached tokens plus
-one prompt chunk): one packed forward took 0.5-0.7x the time of the two separate forwards for chunks of 4-32
-tokens, 0.72-0.84x at 64 and 1.08-1.26x at 128. The keys the packed rows read are capped too (``MIX_KEYS``), so
-a chunk deep into a long prompt keeps its own prefill forward: 8 decodes + a 32-token chunk after 0 / 128 / 512 /
-2048 cached tokens (528 / 4.6K / 17K / 66K keys) took 0.64 / 0.71 / 0.89 / 1.42x the two forwards' time for MHA,
-0.65 / 0.63 / 0.66 / 0.84x for MLA (whose latent keys are cheap to read).
+kernels) and reads its keys as a decode does; a chunk in a call of its own runs the prefill route, which reads
+its keys once for all its tokens but pays that route's fixed costs. Measured inside one forward at the reference
+shape (1 thread, CPU time, 8 decodes of 512 cached tokens plus one fresh prompt): packed / own call 66 / 80 ms
+(16 tokens) and 106 / 116 ms (48) for MLA, 90 / 96 and 136 / 153 ms for MHA. Earlier, with one forward per
+call, the 2-layer d = 256 bench model gave 1.08-1.26x at 128 tokens. The keys the packed rows read are capped
+too (``MIX_KEYS``), so a chunk deep into a long prompt keeps its own prefill call: 8 decodes + a 32-token chunk
+after 0 / 128 / 512 / 2048 cached tokens (528 / 4.6K / 17K / 66K keys) took 0.64 / 0.71 / 0.89 / 1.42x the
+separate forwards' time for MHA, 0.65 / 0.63 / 0.66 / 0.84x for MLA (whose latent keys are cheap to read).
 
 Single-threaded: the HTTP server drives it from one background thread.
 """
@@ -56,7 +62,7 @@ class Engine:
     ``generate(prompts, params)`` to run a batch to the end. The cache is sized by ``cache_bytes`` or
     ``cache_tokens`` (default 65536 tokens) in pages of ``page_size`` tokens, stored as ``kv_dtype`` (None: the
     model's; "int8" or "fp8" quantised); at most ``max_batch`` sequences decode together, prompts are prefilled in chunks
-    of ``prefill_chunk`` tokens, up to ``mix_tokens`` prompt tokens join the decodes' forward (0: never), and
+    of ``prefill_chunk`` tokens, up to ``mix_tokens`` prompt tokens join the decodes' call (0: never), and
     shared prompt prefixes reuse pages unless ``enable_prefix_cache=False``; ``pack_weights`` (default on) packs the
     weights for any row count on CPU (``KVLM.pack_for_decode(ANY_ROWS)``)."""
 
@@ -171,20 +177,16 @@ class Engine:
         if not work:
             return outputs
         packed, groups = plan_step(work, self.mix_tokens)
-        ready: list[Request] = []  # requests whose tokens are all computed, in the order of `rows`
-        rows: list[torch.Tensor] = []  # their logits, (n, V) per forward
+        calls, parts, picks = self._calls(packed, groups)
         with torch.inference_mode():
-            if packed:
-                self._run_packed(packed, ready, rows)
-            for group in groups:
-                # several prompts' chunks in one forward: left-padded to the longest (the cache stores no
-                # padding, and the last column is each row's last token, all that last_only keeps)
-                T = max(n for _, n in group)
-                ids = [[0] * (T - n) + req.all_ids[req.computed : req.computed + n] for req, n in group]
-                view = self.cache.batch([req.request_id for req, _ in group], [n for _, n in group])
-                logits = self.model(torch.tensor(ids, device=self._device), cache=view, last_only=True)[:, -1]
-                self._advance(group, logits, ready, rows)
-            done = self._sample(ready, torch.cat(rows) if len(rows) > 1 else rows[0]) if ready else []
+            logits = self.model.forward_parts(calls, picks)
+            ready: list[Request] = []  # the requests whose tokens are now all computed, in the order of `picks`
+            for chunks in parts:
+                for req, n in chunks:
+                    req.computed += n
+                    if req.computed == req.num_tokens:
+                        ready.append(req)
+            done = self._sample(ready, logits) if ready else []
         for req in done:
             self.scheduler.remove(req)
             self.requests.pop(req.request_id, None)
@@ -197,28 +199,34 @@ class Engine:
     def _device(self) -> torch.device:
         return self.cache.device
 
-    def _run_packed(self, packed: list[tuple[Request, int]], ready: list, rows: list) -> None:
-        """Decodes (and the prompt chunks planned with them) in one forward. Only decodes: the plain batch
-        view ((B, 1) tokens, one row per sequence); with chunks: one-token rows (``PackedBatch``)."""
-        seq_ids = [req.request_id for req, _ in packed]
-        ids = [t for req, n in packed for t in req.all_ids[req.computed : req.computed + n]]
-        tokens = torch.tensor(ids, device=self._device)[:, None]
-        if len(ids) == len(packed):
-            logits = self.model(tokens, cache=self.cache.batch(seq_ids))[:, -1]
-        else:
-            view = PackedBatch(self.cache, seq_ids, [n for _, n in packed])
-            logits = self.model(tokens, cache=view, logits_rows=view.last_rows)[:, -1]
-        self._advance(packed, logits, ready, rows)
-
-    @staticmethod
-    def _advance(chunks: list[tuple[Request, int]], logits: torch.Tensor, ready: list, rows: list) -> None:
-        """Count the chunks' tokens as computed; keep the logits of the requests that now sample."""
-        for req, n in chunks:
-            req.computed += n
-        keep = [b for b, (req, _) in enumerate(chunks) if req.computed == req.num_tokens]
-        if keep:
-            ready += [chunks[b][0] for b in keep]
-            rows.append(logits if len(keep) == len(chunks) else logits[keep])
+    def _calls(self, packed: list[tuple[Request, int]], groups: list[list[tuple[Request, int]]]):
+        """The step's work as ``KVLM.forward_parts`` calls, all in one forward: the packed call (decodes only:
+        the plain batch view, (B, 1) tokens; with prompt chunks: one-token rows, ``PackedBatch``), then each
+        prefill group, left-padded to its longest chunk (the cache stores no padding; the last column is each
+        row's last token). Returns (calls, the (request, tokens) of each call, the flat rows whose logits are
+        sampled: the last token of each request that finishes its tokens this step)."""
+        calls, parts, picks, offset = [], [], [], 0
+        if packed:
+            seq_ids = [req.request_id for req, _ in packed]
+            ids = [t for req, n in packed for t in req.all_ids[req.computed : req.computed + n]]
+            if len(ids) == len(packed):
+                view, last = self.cache.batch(seq_ids), range(len(ids))
+            else:
+                view = PackedBatch(self.cache, seq_ids, [n for _, n in packed])
+                last = view.last_rows
+            calls.append((torch.tensor(ids, device=self._device)[:, None], view))
+            parts.append(packed)
+            picks += [offset + r for (req, n), r in zip(packed, last) if req.computed + n == req.num_tokens]
+            offset += len(ids)
+        for group in groups:
+            T = max(n for _, n in group)
+            ids = [[0] * (T - n) + req.all_ids[req.computed : req.computed + n] for req, n in group]
+            view = self.cache.batch([req.request_id for req, _ in group], [n for _, n in group])
+            calls.append((torch.tensor(ids, device=self._device), view))
+            parts.append(group)
+            picks += [offset + b * T + T - 1 for b, (req, n) in enumerate(group) if req.computed + n == req.num_tokens]
+            offset += len(group) * T
+        return calls, parts, picks
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list[Request]:
         """The next token of each request (row b of logits is reqs[b]'s), all drawn together, then the stop
@@ -294,14 +302,15 @@ class Engine:
 def plan_step(
     work: list[tuple[Request, int]], mix_tokens: int
 ) -> tuple[list[tuple[Request, int]], list[list[tuple[Request, int]]]]:
-    """Split a step's work (request, new tokens) into the forwards that run it: the packed forward (decodes and
-    the prompt chunks that join them as one-token rows) and the padded prefill groups (``group_chunks``).
+    """Split a step's work (request, new tokens) into the calls of its forward (``KVLM.forward_parts``): the
+    packed call (decodes and the prompt chunks that join them as one-token rows) and the padded prefill groups
+    (``group_chunks``).
 
     With decodes in the step, the shortest chunks join them while their tokens stay within ``mix_tokens`` and
-    the keys their rows read (a chunk's token at position i reads i + 1) within ``MIX_KEYS``: one forward
-    instead of two (see the module docstring for the measurement). Without decodes, chunks are packed the
-    same way only when that saves a forward (short prompts of different lengths, which ``group_chunks`` would
-    run one call each); a lone chunk or chunks of one padded group keep the prefill forward."""
+    the keys their rows read (a chunk's token at position i reads i + 1) within ``MIX_KEYS`` (see the module
+    docstring for the measurement). Without decodes, chunks are packed the same way only when that saves a call
+    (short prompts of different lengths, which ``group_chunks`` would run one call each); a lone chunk or
+    chunks of one padded group keep the prefill call."""
     singles = [(req, n) for req, n in work if n == 1]
     chunks = [(req, n) for req, n in work if n > 1]
     mixed, rest, tokens, keys = [], [], 0, 0
@@ -321,7 +330,7 @@ def plan_step(
 
 
 def group_chunks(chunks: list[tuple[Request, int]], waste: float = 2.0) -> list[list[tuple[Request, int]]]:
-    """Split prefill chunks (request, tokens) into groups that run as one padded forward each: longest first,
+    """Split prefill chunks (request, tokens) into groups that run as one padded call each: longest first,
     a chunk joins the current group while the padded size (rows x longest) stays within ``waste`` times the
     real tokens, so a short chunk never pays for a long one's padding many times over. Chunks of equal length
     always group; a group of at most ``kernels.MAX_NEW`` columns is never padded, since the decode kernels
