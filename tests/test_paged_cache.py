@@ -390,11 +390,50 @@ def test_padded_prefill_batch_quantized(attention):
     _check_padded_batch(_model(attention, {}), "int8")
 
 
-def _check_padded_batch(model, kv_dtype):
+SHORT_CACHED = (0, 5, 17)  # a kernel-sized padded call (T = 3 <= kernels.MAX_NEW) ...
+SHORT_NEW = (1, 3, 2)  # ... whose first row holds 1 slot, fewer than T: the kernels must decline, not fail
+
+
+@pytest.mark.parametrize("attention,overrides", all_variants())
+def test_padded_kernel_sized_call_with_a_short_row(attention, overrides):
+    """A padded call of few columns in which a fresh sequence brings fewer tokens than the call's width: the
+    decode kernels (which read each row's last T slots as its new tokens) decline and the plain path gives, in
+    float64, each chunk alone's logits."""
+    _check_padded_batch(_model(attention, overrides), None, SHORT_CACHED, SHORT_NEW)
+
+
+def test_kernels_decline_a_short_padded_row_and_take_long_ones():
+    from kvlm import kernels
+
+    if not kernels.ready(torch.zeros(1, dtype=torch.float64), 1):
+        pytest.skip("the CPU decode kernel is not available here")
+    model = _model("mha", {})
+    cache = PagedKVCache.for_model(model, cache_tokens=64, page_size=4)
+    for name, n in (("long", 6), ("short", 1)):
+        cache.add_sequence(name)
+        if n:
+            with torch.inference_mode():
+                model(torch.arange(n)[None], cache=cache.batch([name]))
+    rows = torch.tensor([[1, 2, 3], [0, 0, 4]])
+    with torch.inference_mode():
+        kernels.CALLS.clear()
+        model(rows, cache=cache.batch(["long", "short"], [3, 2]))
+        assert kernels.CALLS["gqa_cpu"] == model.cfg.n_layer  # padded, but every row holds >= 3 slots (1 + 2)
+        cache.add_sequence("fresh")
+        kernels.CALLS.clear()
+        model(rows, cache=cache.batch(["long", "fresh"], [3, 1]))
+        assert kernels.CALLS["gqa_cpu"] == 0  # a row of 1 slot in a 3-wide call: declined, plain path
+        view = cache.layers[0].block_view("k", None)
+        q = torch.zeros(2, model.cfg.n_head, 3, model.cfg.head_dim, dtype=torch.float64)
+        with pytest.raises(kernels.KernelUnavailable, match="padded row"):
+            kernels.gqa_decode(q, view, cache.layers[0].block_view("v", None), 3, 1.0, strict=True)
+
+
+def _check_padded_batch(model, kv_dtype, cached_lens=PADDED_CACHED, new_lens=PADDED_NEW):
     g = torch.Generator().manual_seed(3)
-    V, T = model.cfg.vocab_size, max(PADDED_NEW)
-    cached = [torch.randint(0, V, (n,), generator=g) for n in PADDED_CACHED]
-    new = [torch.randint(0, V, (n,), generator=g) for n in PADDED_NEW]
+    V, T = model.cfg.vocab_size, max(new_lens)
+    cached = [torch.randint(0, V, (n,), generator=g) for n in cached_lens]
+    new = [torch.randint(0, V, (n,), generator=g) for n in new_lens]
     decodes = torch.randint(0, V, (2, len(new), 1), generator=g)
     caches = []
     with torch.inference_mode():
@@ -413,15 +452,15 @@ def _check_padded_batch(model, kv_dtype):
         before = [{k: v.clone() for k, v in d.items()} for d in before]
         pad = 7  # any id: its rows must change nothing
         rows = torch.stack([torch.cat([torch.full((T - len(x),), pad), x]) for x in new])
-        got = model(rows, cache=batched.batch([0, 1, 2], list(PADDED_NEW)), last_only=True)[:, -1]
+        got = model(rows, cache=batched.batch([0, 1, 2], list(new_lens)), last_only=True)[:, -1]
         torch.testing.assert_close(got, torch.stack(want), rtol=1e-10, atol=1e-10)
         expect = set()
-        for i, (c, n) in enumerate(zip(PADDED_CACHED, PADDED_NEW)):
+        for i, (c, n) in enumerate(zip(cached_lens, new_lens)):
             pages = batched.seq_pages(i)
             for j in range(c, c + n):
                 expect |= {(li, name, pages[j // 4], j % 4) for li, d in enumerate(before) for name in d}
         assert _written_slots(batched, before) == expect
-        for i, (c, n) in enumerate(zip(PADDED_CACHED, PADDED_NEW)):
+        for i, (c, n) in enumerate(zip(cached_lens, new_lens)):
             assert batched.seq_len(i) == alone.seq_len(i) == c + n
             assert batched.seqs[i].tokens == alone.seqs[i].tokens  # the prefix keys hash no padding
         for d in decodes:

@@ -47,6 +47,9 @@ class BlockView:
     # needs them (FLOP count, split of the key axis) and reading the tensors back costs a sync per layer
     keys: int | None = None
     longest: int | None = None
+    # the minimum of end - start on the host, where a row may hold fewer slots than the call's new tokens (a
+    # paged row left-padded in its call): a kernel reads each row's last T slots as its new tokens, so it declines
+    shortest: int | None = None
 
 
 class CacheLayer(Mapping[str, torch.Tensor]):

@@ -75,6 +75,7 @@ class _Index:
     seq_start: torch.Tensor  # (B,) int32 zeros: a sequence's keys start at its slot 0
     keys: int  # sum of the lengths after the call (host), for the kernels' FLOP count
     longest: int  # their maximum (host), for the kernels' split of the key axis
+    shortest: int  # their minimum (host): below the call's width T the kernels decline (a padded short row)
     write_rows: torch.Tensor | None = None  # padded rows: which of the B * T new tokens are real (stored)
 
 
@@ -164,6 +165,7 @@ class PagedLayer(CacheLayer):
             scale=self.scales.get(name),
             keys=idx.keys,
             longest=idx.longest,
+            shortest=idx.shortest,
         )
 
     # --- accounting -----------------------------------------------------------------------------
@@ -479,6 +481,7 @@ class PagedKVCache:
             seq_start=torch.zeros(B, dtype=torch.int32, device=dev),
             keys=sum(ends),
             longest=end,
+            shortest=min(ends),
             write_rows=write_rows.to(dev) if write_rows is not None else None,
         )
 

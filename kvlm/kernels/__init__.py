@@ -132,6 +132,14 @@ def _keys(view: BlockView) -> int:
     return view.keys if view.keys is not None else int((view.end - view.start).sum())
 
 
+def _too_short(view: BlockView, T: int) -> str | None:
+    """Why a kernel cannot take a call whose rows' last T slots are not all new tokens: a row of a paged call
+    left-padded to T columns holding fewer than T slots (its padding is never stored)."""
+    if view.shortest is not None and view.shortest < T:
+        return f"a row holds {view.shortest} slots, fewer than the call's {T} new tokens (a padded row)"
+    return None
+
+
 def _unavailable(strict: bool, why: str) -> None:
     if strict:
         raise KernelUnavailable(why)
@@ -166,6 +174,8 @@ def latent_decode(
     None (or KernelUnavailable if ``strict``) when no kernel applies."""
     B, H, T, Dc = q_lat.shape
     _check_call("q_lat", T, n_new, q_rope, k_rope)
+    if _too_short(c_kv, T):
+        return _unavailable(strict, _too_short(c_kv, T))
     if q_lat.device.type == "cuda":
         return _latent_triton(q_lat, q_rope, c_kv, k_rope, scale, strict)
     why = _cpu_reason(q_lat, n_new)
@@ -206,6 +216,8 @@ def latent_block_decode(
     ``latent_decode``."""
     B, G, R, T, D = q_lat.shape
     _check_call("q_lat", T, n_new, q_rope, k_rope)
+    if _too_short(c_kv, T):
+        return _unavailable(strict, _too_short(c_kv, T))
     if q_lat.device.type == "cuda":
         return _latent_block_triton(q_lat, q_rope, c_kv, k_rope, scale, strict)
     why = _cpu_reason(q_lat, n_new) or _check_pool(q_lat, c_kv, "c_kv")
@@ -242,7 +254,7 @@ def gqa_decode(
     scores gain q_rope k_rope^T."""
     B, Hq, T, D = q.shape
     _check_call("q", T, n_new, q_rope, k_rope)
-    why = _cpu_reason(q, n_new) or _check_pool(q, k, "k") or _check_pool(q, v, "v")
+    why = _too_short(k, T) or _cpu_reason(q, n_new) or _check_pool(q, k, "k") or _check_pool(q, v, "v")
     why = why or _check_rope(q, k_rope, k, "K")
     if why is None and (k.pool.dim() != 4 or v.pool.dim() != 4):
         why = f"K/V pools of shapes {tuple(k.pool.shape)}, {tuple(v.pool.shape)} (expected (N, G, P, D))"
