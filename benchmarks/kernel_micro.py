@@ -23,7 +23,7 @@ import torch
 
 from kvlm import kernels
 from kvlm.bench.hardware import measure_hardware
-from kvlm.cache.quantized import quantize
+from kvlm.cache.quantized import fp8_dtype, quantize
 from kvlm.kernels import cpu
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,6 +33,7 @@ CSRC = "kvlm/kernels/csrc"
 CASES = [
     ("mla", 12, 1, True, 256, 32, "fp32"),
     ("mla-int8", 12, 1, True, 256, 32, "int8"),
+    ("mla-fp8", 12, 1, True, 256, 32, "fp8"),
     ("mla-T4", 12, 1, True, 256, 32, "fp32"),
     ("gqa-3", 12, 3, False, 64, 0, "fp32"),
     ("mha", 12, 12, False, 64, 0, "fp32"),
@@ -67,8 +68,8 @@ def make_case(name, H, G, latent, D, dR, store, B, S, T):
         kr = torch.randn(B, S, dR, generator=gen) if dR else None
         qr = torch.randn(B, 1, H * T, dR, generator=gen) if dR else None
         scale = None
-        if store == "int8":
-            pool, scale = quantize(pool, torch.int8)
+        if store in ("int8", "fp8"):
+            pool, scale = quantize(pool, torch.int8 if store == "int8" else fp8_dtype())
         kv_bytes = pool.numel() * pool.element_size() + (0 if scale is None else scale.numel() * 4)
         nbytes = kv_bytes + (0 if kr is None else kr.numel() * 4)
         flops = 2 * B * H * T * S * (2 * D + dR)

@@ -13,9 +13,14 @@ from kvlm import build_model, kernels
 from kvlm.attention.latent_ops import latent_attention
 from kvlm.attention.step import Step, attend
 from kvlm.cache.layer import BlockView
-from kvlm.cache.quantized import dequantize, quantize
+from kvlm.cache.quantized import dequantize, fp8_dtype, quantize
 from kvlm.kernels import KernelUnavailable
 from kvlm.kernels import cpu as kcpu
+
+# 1-byte cache codes with a per-token scale: int8, and fp8 e4m3 where this torch has it (the kernel decodes the
+# e4m3 bits itself, normal, subnormal and zero codes alike)
+QUANT = {"int8": torch.int8, **({"fp8": fp8_dtype()} if fp8_dtype() is not None else {})}
+FP8 = [] if fp8_dtype() is None else ["fp8"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -70,6 +75,8 @@ LATENT_CASES = [  # (B, H, T, D_c, d_R, page size (None: one page per sequence),
     (2, 12, 1, 256, 32, 16, "int8"),
     (3, 4, 3, 200, 16, None, "int8"),
     (2, 6, 1, 96, 32, 16, "bf16"),
+    *[(2, 12, 1, 256, 32, 16, f) for f in FP8],
+    *[(3, 4, 3, 200, 16, None, f) for f in FP8],
 ]
 
 
@@ -88,9 +95,9 @@ def test_latent_decode_matches_reference(B, H, T, Dc, dR, P, store, dtype):
     scale = 1 / math.sqrt(Dc + dR)
     pool, table = paged(c, P or S, gen)
     s = None
-    if store == "int8":
-        pool, s = quantize(pool, torch.int8)
-        c = dequantize(*quantize(c, torch.int8), dtype)  # the values the int8 cache holds
+    if store in QUANT:
+        pool, s = quantize(pool, QUANT[store])
+        c = dequantize(*quantize(c, QUANT[store]), dtype)  # the values the quantized cache holds
     elif store == "bf16":
         pool = pool.to(torch.bfloat16)
         c = c.to(torch.bfloat16).to(dtype)
@@ -144,6 +151,7 @@ def test_latent_decode_matches_kvlm_plain_route(dtype):
     (1, 8, 1, 5, 96, None, "fp32"),  # MQA
     (2, 6, 2, 1, 40, 7, "int8"),
     (2, 4, 2, 8, 72, 16, "bf16"),
+    *[(2, 6, 2, 1, 40, 7, f) for f in FP8],
 ])  # fmt: skip
 def test_gqa_decode_matches_reference_and_attend(B, Hq, G, T, D, P, store, dtype):
     gen = torch.Generator().manual_seed(Hq * 100 + G * 10 + T)
@@ -159,9 +167,9 @@ def test_gqa_decode_matches_reference_and_attend(B, Hq, G, T, D, P, store, dtype
         for j in range(S):
             vp[table[b, j // (P or S)], :, j % (P or S)] = v[b, :, j]
     ks = vs = None
-    if store == "int8":
-        (kp, ks), (vp, vs) = quantize(kp, torch.int8), quantize(vp, torch.int8)
-        k, v = dequantize(*quantize(k, torch.int8), dtype), dequantize(*quantize(v, torch.int8), dtype)
+    if store in QUANT:
+        (kp, ks), (vp, vs) = quantize(kp, QUANT[store]), quantize(vp, QUANT[store])
+        k, v = dequantize(*quantize(k, QUANT[store]), dtype), dequantize(*quantize(v, QUANT[store]), dtype)
     elif store == "bf16":
         kp, vp = kp.to(torch.bfloat16), vp.to(torch.bfloat16)
         k, v = k.to(torch.bfloat16).to(dtype), v.to(torch.bfloat16).to(dtype)
@@ -266,26 +274,31 @@ def test_model_decode_float64_and_padded_batch(monkeypatch):
     assert (on - off).abs().max().item() < 1e-10
 
 
-def test_paged_int8_cache_decode_uses_kernel(monkeypatch):
-    """The paged, int8 serving cache: the kernel reads the pages and scales in place and equals the plain path
-    (which gathers and dequantizes)."""
+@pytest.mark.parametrize("kv_dtype", ["int8", *FP8])
+@pytest.mark.parametrize("attention", ["mla", "gqa"])
+def test_paged_quantized_cache_decode_uses_kernel(monkeypatch, kv_dtype, attention):
+    """The paged int8 / fp8 serving cache: the kernel reads the pages and scales in place and equals the plain
+    path (which gathers and dequantizes)."""
     paged_mod = pytest.importorskip("kvlm.cache.paged")
     torch.manual_seed(2)
-    cfg = tiny_config("mla", kv_lora_rank=48, rope_head_dim=8)
+    overrides = dict(kv_lora_rank=48, rope_head_dim=8) if attention == "mla" else dict(n_kv_head=2)
+    cfg = tiny_config(attention, **overrides)
     model = build_model(cfg).eval()
+    mode = "absorbed" if attention == "mla" else "auto"
+    name = "latent_cpu" if attention == "mla" else "gqa_cpu"
     prompts = [torch.randint(0, cfg.vocab_size, (1, n)) for n in (5, 9)]
     results = []
     for flag in ("1", "0"):
         monkeypatch.setenv(kcpu.ENV, flag)
-        cache = paged_mod.PagedKVCache.for_model(model, cache_tokens=64, page_size=4, kv_dtype="int8")
-        before = kernels.CALLS["latent_cpu"]
+        cache = paged_mod.PagedKVCache.for_model(model, cache_tokens=64, page_size=4, kv_dtype=kv_dtype)
+        before = kernels.CALLS[name]
         with torch.no_grad():
             for i, p in enumerate(prompts):
                 cache.add_sequence(i)
-                model(p, cache=cache.batch([i]), mode="absorbed")
+                model(p, cache=cache.batch([i]), mode=mode)
             tok = torch.tensor([[1], [2]])
-            out = model(tok, cache=cache.batch([0, 1]), mode="absorbed")  # ragged: 5 and 9 cached tokens
-        calls = kernels.CALLS["latent_cpu"] - before
+            out = model(tok, cache=cache.batch([0, 1]), mode=mode)  # ragged: 5 and 9 cached tokens
+        calls = kernels.CALLS[name] - before
         results.append((out, calls))
     (on, calls_on), (off, calls_off) = results
     assert calls_on == 3 * cfg.n_layer and calls_off == 0
@@ -380,6 +393,10 @@ EDGE_CASES = [  # (B, H, T, D_c, d_R, S, page size, cache dtype, start offset)
     (2, 12, 1, 256, 32, 300, 5, "fp32", 3),  # the MLA shape, pages of 5 across tiles, partial last tile
     (1, 4, 4, 72, 8, 97, 3, "fp32", 0),  # 16 rows of 64 + 8 (narrow: tiles of 32), RoPE 8, pages of 3
     (2, 9, 1, 130, 3, 45, 45, "fp32", 20),  # 9 rows = 4 + 4 + 1, widths 128 + 2 and 3, under two tiles
+    # fp8 e4m3 codes decoded in registers: widened into a tile (8 rows or more) and in registers (fewer), tails
+    *[(1, 7, 2, 17, 1, 260, 16, f, 0) for f in FP8],
+    *[(3, 5, 1, 300, 24, 81, 9, f, 4) for f in FP8],
+    *[(1, 12, 1, 256, 32, 1000, 64, f, 0) for f in FP8],
 ]
 
 
@@ -392,9 +409,9 @@ def _latent_setup(B, H, T, Dc, dR, S, P, store, s0, gen, scores_scale=1.0):
     end = torch.tensor([S - 2 * b for b in range(B)], dtype=torch.int32)
     pool, table = paged(c, P, gen)
     s = None
-    if store == "int8":
-        pool, s = quantize(pool, torch.int8)
-        c = dequantize(*quantize(c, torch.int8), torch.float32)
+    if store in QUANT:
+        pool, s = quantize(pool, QUANT[store])
+        c = dequantize(*quantize(c, QUANT[store]), torch.float32)
     elif store == "bf16":
         pool = pool.to(torch.bfloat16)
         c = c.to(torch.bfloat16).float()
@@ -424,6 +441,8 @@ def test_latent_micro_kernel_edges(B, H, T, Dc, dR, S, P, store, s0):
     (1, 6, 2, 3, 100, 75, 10, "int8"),  # 9 rows per group, int8 K and V with their own scales
     (2, 3, 1, 5, 65, 64, 64, "bf16"),  # MQA, 15 rows = 4 x 3 + 2 + 1, one page per sequence
     (1, 1, 1, 16, 48, 40, 3, "int8"),  # 16 new tokens of one head: 4 x 4 rows, ragged pages of 3
+    *[(1, 6, 2, 3, 100, 75, 10, f) for f in FP8],  # fp8 K and V with their own scales
+    *[(2, 2, 2, 1, 24, 70, 6, f) for f in FP8],  # fp8, one row per group (in registers), a masked vector
 ])  # fmt: skip
 def test_gqa_micro_kernel_edges(B, Hq, G, T, D, S, P, store):
     gen = torch.Generator().manual_seed(D * 3 + T)
@@ -438,11 +457,11 @@ def test_gqa_micro_kernel_edges(B, Hq, G, T, D, S, P, store):
         for j in range(S):
             vp[table[b, j // P], :, j % P] = v[b, :, j]
     ks = vs = None
-    if store == "int8":
-        (kp, ks), (vp, vs) = quantize(kp, torch.int8), quantize(vp, torch.int8)
+    if store in QUANT:
+        (kp, ks), (vp, vs) = quantize(kp, QUANT[store]), quantize(vp, QUANT[store])
         k, v = (
-            dequantize(*quantize(k, torch.int8), torch.float32),
-            dequantize(*quantize(v, torch.int8), torch.float32),
+            dequantize(*quantize(k, QUANT[store]), torch.float32),
+            dequantize(*quantize(v, QUANT[store]), torch.float32),
         )
     elif store == "bf16":
         kp, vp = kp.to(torch.bfloat16), vp.to(torch.bfloat16)
@@ -481,7 +500,7 @@ def test_micro_kernel_rising_max_peaky_scores_and_padding_rows():
         assert (out.double() - ref).abs().max().item() < 2e-5 * max(1.0, ref.abs().max().item())
 
 
-@pytest.mark.parametrize("store", ["fp32", "int8"])
+@pytest.mark.parametrize("store", ["fp32", "int8", *FP8])
 def test_micro_kernel_sequence_splits_float32(store):
     """Batch 1 on 2 threads: the key axis split in two, each half through the micro-kernels, merged."""
     gen = torch.Generator().manual_seed(4)
@@ -496,3 +515,20 @@ def test_micro_kernel_sequence_splits_float32(store):
     ref = reference(q.reshape(1, 1, 12, 256), c[:, None], c[:, None], view.start, view.end, 1, 0.06,
                     qr.reshape(1, 1, 12, 32), kr).view(1, 12, 1, 256)  # fmt: skip
     assert (out.double() - ref).abs().max().item() < 2e-5
+
+
+@pytest.mark.skipif(fp8_dtype() is None, reason="this torch has no float8_e4m3fn")
+@pytest.mark.parametrize("H,dtype", [(12, torch.float32), (2, torch.float32), (3, torch.float64)])
+def test_fp8_codes_decode_exactly(H, dtype):
+    """Every non-NaN e4m3 code (zeros, subnormals, normals, both signs) as torch converts it: one cached key, so
+    the output is its value row times its scale. 12 rows widen a tile, 2 decode in registers, float64 queries take
+    the portable path."""
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)  # 254 codes
+    pool = codes.view(fp8_dtype()).reshape(1, 1, -1)  # (N pages, P = 1, D)
+    scale = torch.full((1, 1, 1), 0.75)
+    one = torch.ones(1, dtype=torch.int32)
+    view = BlockView(pool, one[:, None] * 0, one * 0, one, 1, scale)
+    q = torch.randn(1, H, 1, pool.shape[-1], dtype=dtype)
+    out = kernels.latent_decode(q, None, view, None, 1, 0.1, strict=True)
+    want = (pool.to(torch.float32) * 0.75).to(dtype).expand(1, H, 1, -1)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)

@@ -292,22 +292,23 @@ def test_paged_decode_kernel_equals_plain(attention, extra, counter, mode, page_
 
 
 @pytest.mark.skipif(fp8_dtype() is None, reason="this torch has no float8_e4m3fn")
-def test_fp8_pool_is_declined_and_the_plain_path_runs(monkeypatch):
-    """The CPU kernel reads int8 / bf16 / float pools only: fp8 is declined and the plain path over what was just
-    stored runs (no double write), giving what kernels-off gives."""
+def test_fp8_pool_is_read_by_the_kernel_as_the_plain_path(monkeypatch):
+    """fp8 (e4m3) latent blocks with their per-token scales: the CPU kernel reads the codes in place and gives
+    what the plain path (gather, dequantize) gives."""
     model = _model("mlra-4", torch.float32)
     gen = torch.Generator().manual_seed(9)
     prompts = [torch.randint(1, 97, (n,), generator=gen) for n in LENGTHS]
     steps = _steps(97, gen)
-    outs = []
+    outs, calls = [], []
     with torch.no_grad():
         for flag in ("1", "0"):
             monkeypatch.setenv(kcpu.ENV, flag)
             before = kernels.CALLS[COUNTER]
             outs.append(_paged_run(model, prompts, steps, 4, "fp8"))
-            assert kernels.CALLS[COUNTER] == before
+            calls.append(kernels.CALLS[COUNTER] - before)
+    assert calls[0] > 0 and calls[1] == 0
     for a, b in zip(*outs):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 # --- the CUDA branch's building block, on CPU in Triton's interpreter --------------------------------------------

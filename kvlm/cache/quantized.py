@@ -8,6 +8,9 @@ and the rest round to the nearest code (int8: error <= scale / 2 per entry).
 The decoupled RoPE key (``k_rope``) stays in the model dtype, as FlashMLA's FP8 layout keeps it in bf16 (656
 bytes per token for DeepSeek's 512 + 64: 512 fp8 codes, 4 float32 scales, 64 bf16 RoPE values): RoPE rotates
 pairs of dimensions by position, and a coarse key there costs more accuracy than it saves (FlashMLA's note).
+
+The decode kernels read both code types in place with their scales (kvlm.kernels: the CPU kernel decodes e4m3 in
+registers, the Triton kernel converts tiles), so a quantized cache is read at its 1-byte size.
 """
 
 from __future__ import annotations

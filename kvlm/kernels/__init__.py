@@ -7,7 +7,7 @@
 - ``gqa_decode(q, k, v, n_new, scale)``: MHA/GQA/MQA, each cached K/V head read once for its query heads.
 
 Both read the cache through ``BlockView``s (kvlm.cache.layer: pool + block table + start/end), so the same
-kernel serves the contiguous cache (zero copy) and the paged / int8 one. On CPU tensors they run the C++/OpenMP
+kernel serves the contiguous cache (zero copy) and the paged / int8 / fp8 one. On CPU tensors they run the C++/OpenMP
 flash-decoding kernel of ``kvlm.kernels.cpu`` (built on first use); on CUDA, ``latent_decode`` runs the Triton
 kernel of ``kvlm.kernels.triton_decode``. When no fast path applies (kernels disabled with ``KVLM_KERNELS=0``,
 no compiler, an unsupported dtype, autograd recording, too many new tokens) they return None, or raise
@@ -40,9 +40,11 @@ CALLS: Counter[str] = Counter()
 # FLOPs the kernels ran (2 per multiply-add, scores and values, every visible key counted): torch's FLOP counter
 # does not see them, so kvlm.bench.flops.CountFlops adds this running total's increase
 FLOPS: Counter[str] = Counter()
+_FP8 = getattr(torch, "float8_e4m3fn", None)  # fp8 e4m3 codes, where this torch has the dtype
+_QUANT = tuple(t for t in (torch.int8, _FP8) if t is not None)  # 1-byte codes with a per-token scale
 _POOL_DTYPES = {
-    torch.float32: (torch.float32, torch.bfloat16, torch.int8),
-    torch.float64: (torch.float64, torch.int8),
+    torch.float32: (torch.float32, torch.bfloat16, *_QUANT),
+    torch.float64: (torch.float64, *_QUANT),
 }
 
 
@@ -84,8 +86,8 @@ def _check_pool(q: torch.Tensor, view: BlockView, what: str) -> str | None:
         return f"{what} pool not contiguous in its last axis"
     if view.block_table.dtype != torch.int32 or view.start.dtype != torch.int32:
         return f"{what} block table / start / end not int32"
-    if (view.scale is not None) != (view.pool.dtype == torch.int8):
-        return f"{what}: int8 pools need a per-token scale, others none"
+    if (view.scale is not None) != (view.pool.dtype in _QUANT):
+        return f"{what}: int8 / fp8 pools need a per-token scale, others none"
     if view.pool.shape[-2] != view.page_size:
         return f"{what} pool's page axis {view.pool.shape[-2]} is not the page size {view.page_size}"
     return None
@@ -210,7 +212,7 @@ def latent_block_decode(
 ) -> torch.Tensor | None:
     """GLA / MLRA's absorbed route: ``latent_decode`` per latent block, the R units of block g attending over
     block g of the latent and the RoPE key shared by all blocks. q_lat (B, G, R, T, D), q_rope (B, G, R, T, d_R)
-    or None; c_kv pool (N, G, P, D) (int8: scales (N, G, P, 1), one per token and block), k_rope pool (N, P, d_R).
+    or None; c_kv pool (N, G, P, D) (int8 / fp8: scales (N, G, P, 1), one per token and block), k_rope pool (N, P, d_R).
     Returns z (B, G, R, T, D). On CPU one call of the kernel with G groups (its group axis is the block axis);
     on CUDA one Triton call per block over strided views of the pool. None / KernelUnavailable as
     ``latent_decode``."""

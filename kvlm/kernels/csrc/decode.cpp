@@ -32,6 +32,7 @@ DType to_dtype(at::ScalarType t) {
     case at::kDouble: return DType::f64;
     case at::kBFloat16: return DType::bf16;
     case at::kChar: return DType::i8;
+    case at::kFloat8_e4m3fn: return DType::f8;
     default: TORCH_CHECK(false, "unsupported cache dtype ", t);
   }
   return DType::f32;
@@ -146,7 +147,7 @@ at::Tensor check_table(const at::Tensor& t, const char* what) {
 }
 
 // The op. k_pool (N, G, P, Dk); v_pool (N, G, P, Dv) (the same tensor as k_pool for a latent: read once);
-// kr_pool (N, P, Dr) shared by the groups; scales (N, G, P, 1) float32 for int8 pools.
+// kr_pool (N, P, Dr) shared by the groups; scales (N, G, P, 1) float32 for int8 / fp8 (e4m3fn) pools.
 at::Tensor decode_attention(const at::Tensor& q, const c10::optional<at::Tensor>& q_rope, const at::Tensor& k_pool,
                             const c10::optional<at::Tensor>& k_scale, const at::Tensor& v_pool,
                             const c10::optional<at::Tensor>& v_scale, const c10::optional<at::Tensor>& kr_pool,

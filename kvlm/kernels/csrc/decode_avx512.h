@@ -38,6 +38,10 @@ template <>
 struct Elem<DType::i8> {
   static constexpr int size = 1;
 };
+template <>
+struct Elem<DType::f8> {
+  static constexpr int size = 1;
+};
 
 // 16 cached elements at p as floats; the masked form reads only the lanes of m (the others are 0).
 template <DType DT>
@@ -67,6 +71,27 @@ inline __m512 load<DType::i8>(const char* p) {
 template <>
 inline __m512 load<DType::i8>(const char* p, __mmask16 m) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
+}
+
+// 16 float8 e4m3fn codes (widened to int32 lanes) as floats, decode_core.h's e4m3_to_float in vector form:
+// normal codes by moving the exponent and mantissa bits into place, subnormal ones (exponent 0) as m 2^-9.
+inline __m512 e4m3_to_ps(__m512i b) {
+  const __m512i em = _mm512_and_si512(b, _mm512_set1_epi32(0x7F));
+  const __m512i normal = _mm512_add_epi32(_mm512_slli_epi32(em, 20), _mm512_set1_epi32(120 << 23));
+  const __m512i sub = _mm512_castps_si512(_mm512_mul_ps(_mm512_cvtepi32_ps(em), _mm512_set1_ps(1.0f / 512.0f)));
+  __m512i v = _mm512_mask_blend_epi32(_mm512_cmplt_epi32_mask(em, _mm512_set1_epi32(8)), normal, sub);
+  v = _mm512_mask_blend_epi32(_mm512_cmpeq_epi32_mask(em, _mm512_set1_epi32(0x7F)), v,
+                              _mm512_set1_epi32(0x7FC00000));
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+  return _mm512_castsi512_ps(_mm512_or_si512(v, sign));
+}
+template <>
+inline __m512 load<DType::f8>(const char* p) {
+  return e4m3_to_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+template <>
+inline __m512 load<DType::f8>(const char* p, __mmask16 m) {
+  return e4m3_to_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, p)));
 }
 
 inline __mmask16 tail_mask(int64_t n) {  // the first n % 16 lanes, or all 16
@@ -299,7 +324,7 @@ void attend_range(const Job& J, const float* q, const float* qr, int64_t b, int6
   constexpr DType LD = WIDEN ? DType::f32 : DT;  // what the micro-kernels read
   constexpr int NV = TILE / 16;  // score vectors per row of the tile
   const int64_t R = J.R, Dk = J.Dk, Dv = J.Dv, Dr = J.Dr, Dkp = J.Dkp, Dvp = J.Dvp, Drp = J.Drp;
-  const bool quant = DT == DType::i8;
+  const bool quant = DT == DType::i8 || DT == DType::f8;  // codes with a per-token scale
   const bool latent = J.v_is_k;
   // scores / probabilities (R x TILE) and a zero row for the slots past the range, 64-byte aligned
   std::vector<Line> s_v(R * NV), zero_v(std::max({Dkp, Dvp, Drp, int64_t(16)}) / 16);

@@ -16,7 +16,26 @@
 
 namespace kvlm_decode {
 
-enum class DType { f32, f64, bf16, i8 };
+enum class DType { f32, f64, bf16, i8, f8 };  // f8: float8 e4m3fn (1 sign, 4 exponent bits of bias 7, 3 mantissa)
+
+// One float8 e4m3fn code as a float: normal 2^(e - 7) (1 + m / 8), subnormal (e = 0) m 2^-9, NaN for S.1111.111
+// (the format has no infinities).
+inline float e4m3_to_float(uint8_t b) {
+  const uint32_t em = b & 0x7F;
+  uint32_t bits;
+  if (em == 0x7F) {
+    bits = 0x7FC00000u;
+  } else if (em < 8) {
+    const float f = static_cast<float>(em) * (1.0f / 512.0f);
+    std::memcpy(&bits, &f, 4);
+  } else {
+    bits = (em << 20) + (120u << 23);  // exponent bias 7 -> 127, mantissa 3 -> 23 bits
+  }
+  bits |= static_cast<uint32_t>(b & 0x80) << 24;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
 
 
 #ifndef KVLM_VEC_BYTES
@@ -92,6 +111,12 @@ inline void load_row(const Pool& p, int64_t page, int64_t g, int64_t row, T* dst
         std::memcpy(&f, &bits, 4);
         dst[d] = static_cast<T>(f);
       }
+      break;
+    }
+    case DType::f8: {
+      const uint8_t* src = static_cast<const uint8_t*>(p.data) + off;
+      const T s = p.scale ? static_cast<T>(p.scale[page * p.sc_page + g * p.sc_group + row * p.sc_row]) : T(1);
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(e4m3_to_float(src[d])) * s;
       break;
     }
     case DType::i8: {
@@ -278,7 +303,7 @@ inline const T* row_ptr(const Pool& p, int64_t page, int64_t g, int64_t row) {
 }
 
 inline void prefetch_row(const Pool& p, int64_t page, int64_t g, int64_t row) {
-  static const int size[] = {4, 8, 2, 1};  // bytes per element of DType f32, f64, bf16, i8
+  static const int size[] = {4, 8, 2, 1, 1};  // bytes per element of DType f32, f64, bf16, i8, f8
   const int es = size[static_cast<int>(p.dtype)];
   const char* base = static_cast<const char*>(p.data) + (page * p.s_page + g * p.s_group + row * p.s_row) * es;
 #ifndef KVLM_NO_PREFETCH
@@ -440,7 +465,7 @@ void attend_range(const Job& J, const T* q, const T* qr, int64_t b, int64_t g, i
   if constexpr (std::is_same<T, float>::value) {  // float queries, K and V pools of one dtype: the micro-kernels
     const bool wide = J.Dkp + J.Drp >= 256;
     const DType dt = J.k.dtype;
-    if (dt == J.v.dtype && (dt == DType::f32 || dt == DType::bf16 || dt == DType::i8)) {
+    if (dt == J.v.dtype && (dt == DType::f32 || dt == DType::bf16 || dt == DType::i8 || dt == DType::f8)) {
       auto run = [&](auto dt_tag) {
         constexpr DType DT = decltype(dt_tag)::value;
         if (DT != DType::f32 && J.R >= avx512::kWidenRows) {
@@ -457,6 +482,7 @@ void attend_range(const Job& J, const T* q, const T* qr, int64_t b, int64_t g, i
       if (dt == DType::f32) run(std::integral_constant<DType, DType::f32>());
       if (dt == DType::bf16) run(std::integral_constant<DType, DType::bf16>());
       if (dt == DType::i8) run(std::integral_constant<DType, DType::i8>());
+      if (dt == DType::f8) run(std::integral_constant<DType, DType::f8>());
       return;
     }
   }
