@@ -95,16 +95,16 @@ class Block(nn.Module):
         x = x + self.dropout(self.attn(self.attn_norm(x), step, cache))
         return x + self.mlp(self.mlp_norm(x))
 
-    def forward_parts(self, x: torch.Tensor, parts: list[tuple[Step, object]]) -> torch.Tensor:
+    def forward_parts(self, x: torch.Tensor, parts: list[tuple[Step, object]], layer_idx: int) -> torch.Tensor:
         """x (N, d): the rows of several cache calls back to back (``KVLM.forward_parts``); parts: (step, view)
-        of each, in that order. Attention runs per call through its own view's layer; the norms and the MLP
-        run once on all N rows."""
+        of each, in that order. Attention runs per call through its view's layer ``layer_idx``; the norms and
+        the MLP run once on all N rows."""
         h = self.attn_norm(x)
         out, i = [], 0
         for step, view in parts:
             B, T = step.positions.shape
             view.activate()
-            o = self.attn(h[i : i + B * T].view(B, T, -1), step, view.layers[self.attn.layer_idx])
+            o = self.attn(h[i : i + B * T].view(B, T, -1), step, view.layers[layer_idx])
             out.append(o.reshape(B * T, -1))
             i += B * T
         x = x + self.dropout(torch.cat(out) if len(out) > 1 else out[0])
@@ -264,8 +264,8 @@ class KVLM(nn.Module):
         if self.pos_embed is not None:
             x = x + self.pos_embed(torch.cat([step.positions.reshape(-1) for step, _ in parts]))
         x = self.drop(x)
-        for layer in self.layers:
-            x = layer.forward_parts(x, parts)
+        for i, layer in enumerate(self.layers):
+            x = layer.forward_parts(x, parts, i)
         for step, view in parts:
             view.commit(step)
         x = x[torch.as_tensor(logits_rows, dtype=torch.long, device=x.device)]
