@@ -2,7 +2,8 @@
 // an FMA-only loop (16 independent register chains), the two AVX-512 micro-kernels alone on L1-resident data
 // (score16: 4 rows x 4 keys over 256 + 32 features; value_block: 4 rows x 64 columns over 16 keys), and the whole
 // attend_range (12 rows, one sequence of S keys, float32) with its spread prefetch as built and without.
-// Rounds alternate, so a shared machine slows all alike; compare the columns of one round.
+// Then this core's sequential read rate past the L3 (the most one thread pulls from DRAM) beside the kernel's rate
+// over a pool of the same size. Rounds alternate, so a shared machine slows all alike; compare within a round.
 //
 //   g++ -O3 -march=native -mprefer-vector-width=512 -fno-math-errno -fopenmp -I kvlm/kernels/csrc \
 //       benchmarks/csrc/kernel_parts.cpp -o /tmp/kernel_parts && /tmp/kernel_parts
@@ -33,6 +34,21 @@ static double peak_gflops() {  // 16 independent FMA chains: the issue rate, no 
   volatile float sink = _mm512_reduce_add_ps(s);
   (void)sink;
   return n * 16.0 * 32 / dt / 1e9;
+}
+
+static double read_gbps(const std::vector<float>& a) {  // one pass of 4 independent sums
+  const auto t0 = Clock::now();
+  __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+  for (size_t i = 0; i + 64 <= a.size(); i += 64) {
+    s0 = _mm512_add_ps(s0, _mm512_loadu_ps(&a[i]));
+    s1 = _mm512_add_ps(s1, _mm512_loadu_ps(&a[i + 16]));
+    s2 = _mm512_add_ps(s2, _mm512_loadu_ps(&a[i + 32]));
+    s3 = _mm512_add_ps(s3, _mm512_loadu_ps(&a[i + 48]));
+  }
+  const double dt = seconds_since(t0);
+  volatile float sink = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(s0, s1), _mm512_add_ps(s2, s3)));
+  (void)sink;
+  return a.size() * 4.0 / dt / 1e9;
 }
 
 int main(int argc, char** argv) {
@@ -75,7 +91,9 @@ int main(int argc, char** argv) {
   for (auto& x : qr) x = 0.01f;
   std::vector<int64_t> lo(R, 0), hi(R, S - 1);
   float m[12], l[12];
-  printf("per round, GFLOP/s: FMA peak | score16 | value_block | attend_range (S = %ld keys)\n", (long)S);
+  std::vector<float> big(65536L * 288 * 4, 1.0f);  // 300 MB: the read-rate probe
+  printf("per round, GFLOP/s: FMA peak | score16 | value_block | attend_range (S = %ld keys, its GB/s) | "
+         "sequential read GB/s\n", (long)S);
   for (int round = 0; round < 5; ++round) {
     const double peak = peak_gflops();
     const long n = 1000000;
@@ -98,7 +116,10 @@ int main(int argc, char** argv) {
       std::fill(acc, acc + 12 * 256, 0.0f);
       avx512::attend_range<DType::f32, 16, false>(J, q, qr, 0, 0, 0, S, lo.data(), hi.data(), m, l, acc);
     }
-    const double whole = reps * 2.0 * R * S * (Dk + Dr + Dk) / seconds_since(t0) / 1e9;
-    printf("%6.1f | %6.1f | %6.1f | %6.1f   (%g %g)\n", peak, score, value, whole, _mm512_reduce_add_ps(s), acc[0]);
+    const double dt = seconds_since(t0);
+    const double whole = reps * 2.0 * R * S * (Dk + Dr + Dk) / dt / 1e9;
+    const double whole_gbps = reps * S * (Dk + Dr) * 4.0 / dt / 1e9;
+    printf("%6.1f | %6.1f | %6.1f | %6.1f (%4.1f GB/s) | %4.1f   (%g %g)\n", peak, score, value, whole, whole_gbps,
+           read_gbps(big), _mm512_reduce_add_ps(s), acc[0]);
   }
 }
