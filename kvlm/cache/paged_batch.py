@@ -50,28 +50,33 @@ def _check(
     return seqs
 
 
-def activate(view) -> None:
-    if view.index is None:
-        raise CacheError("this view has not begun a step: begin_step() builds its index")
-    view.cache.index = view.index
+class _View:
+    """What both views share: the cache whose layers, specs and mode the model reads through them, the
+    sequences and their new tokens, and the ``_Index`` of the view's call once ``begin_step`` built it."""
 
-
-class PagedBatch:
-    """Sequences ``seq_ids`` of a ``PagedKVCache`` as one model call's cache (row b of tokens is seq_ids[b])."""
-
-    def __init__(self, cache: PagedKVCache, seq_ids: list, n_new: list[int] | None = None):
+    def __init__(self, cache: PagedKVCache, seq_ids: list, n_new: list[int] | None):
         self.cache = cache
         self.seq_ids = seq_ids
-        self.n_new = n_new  # real new tokens per row (the last ones; the rest is padding), None: all T
+        self.n_new = n_new
         self.layers = cache.layers
         self.specs = cache.specs
         self.mode = cache.mode
-        self.index = None  # this call's _Index, built by begin_step
+        self.index = None
 
     def activate(self) -> None:
         """Make this view's index the one the cache's layers read (``KVLM.forward_parts``: several views, one
         forward)."""
-        activate(self)
+        if self.index is None:
+            raise CacheError("this view has not begun a step: begin_step() builds its index")
+        self.cache.index = self.index
+
+
+class PagedBatch(_View):
+    """Sequences ``seq_ids`` of a ``PagedKVCache`` as one model call's cache (row b of tokens is seq_ids[b]);
+    ``n_new``: real new tokens per row (the last ones; the rest is padding), None: all T."""
+
+    def __init__(self, cache: PagedKVCache, seq_ids: list, n_new: list[int] | None = None):
+        super().__init__(cache, seq_ids, n_new)
 
     def begin_step(self, tokens: torch.Tensor, dtype: torch.dtype, mode: str = "auto", trace=None, fits=None):
         """Take the pages the new tokens (B, T) need (all or nothing: ``OutOfPages`` before any write), place
@@ -124,7 +129,7 @@ class _Row:
         self.pages = pages
 
 
-class PackedBatch:
+class PackedBatch(_View):
     """The new tokens of several sequences as one call of one-token rows: tokens (sum n_new, 1), sequence
     ``seq_ids[i]`` in ``n_new[i]`` consecutive rows, one per new token, in order.
 
@@ -143,17 +148,7 @@ class PackedBatch:
         n_new = [int(n) for n in n_new]
         if len(n_new) != len(seq_ids) or min(n_new, default=1) < 1:
             raise CacheError(f"n_new needs one count >= 1 per sequence, got {n_new} for {len(seq_ids)}")
-        self.cache = cache
-        self.seq_ids = list(seq_ids)
-        self.n_new = n_new
-        self.layers = cache.layers
-        self.specs = cache.specs
-        self.mode = cache.mode
-        self.index = None  # this call's _Index, built by begin_step
-
-    def activate(self) -> None:
-        """As ``PagedBatch.activate``."""
-        activate(self)
+        super().__init__(cache, list(seq_ids), n_new)
 
     @property
     def last_rows(self) -> list[int]:

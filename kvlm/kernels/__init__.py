@@ -176,8 +176,9 @@ def latent_decode(
     None (or KernelUnavailable if ``strict``) when no kernel applies."""
     B, H, T, Dc = q_lat.shape
     _check_call("q_lat", T, n_new, q_rope, k_rope)
-    if _too_short(c_kv, T):
-        return _unavailable(strict, _too_short(c_kv, T))
+    short = _too_short(c_kv, T)
+    if short:
+        return _unavailable(strict, short)
     if q_lat.device.type == "cuda":
         return _latent_triton(q_lat, q_rope, c_kv, k_rope, scale, strict)
     why = _cpu_reason(q_lat, n_new)
@@ -218,8 +219,9 @@ def latent_block_decode(
     ``latent_decode``."""
     B, G, R, T, D = q_lat.shape
     _check_call("q_lat", T, n_new, q_rope, k_rope)
-    if _too_short(c_kv, T):
-        return _unavailable(strict, _too_short(c_kv, T))
+    short = _too_short(c_kv, T)
+    if short:
+        return _unavailable(strict, short)
     if q_lat.device.type == "cuda":
         return _latent_block_triton(q_lat, q_rope, c_kv, k_rope, scale, strict)
     why = _cpu_reason(q_lat, n_new) or _check_pool(q_lat, c_kv, "c_kv")

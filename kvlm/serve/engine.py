@@ -177,15 +177,11 @@ class Engine:
         if not work:
             return outputs
         packed, groups = plan_step(work, self.mix_tokens)
-        calls, parts, picks = self._calls(packed, groups)
+        calls, ready, picks = self._calls(packed, groups)
         with torch.inference_mode():
             logits = self.model.forward_parts(calls, picks)
-            ready: list[Request] = []  # the requests whose tokens are now all computed, in the order of `picks`
-            for chunks in parts:
-                for req, n in chunks:
-                    req.computed += n
-                    if req.computed == req.num_tokens:
-                        ready.append(req)
+            for req, n in work:
+                req.computed += n
             done = self._sample(ready, logits) if ready else []
         for req in done:
             self.scheduler.remove(req)
@@ -203,9 +199,16 @@ class Engine:
         """The step's work as ``KVLM.forward_parts`` calls, all in one forward: the packed call (decodes only:
         the plain batch view, (B, 1) tokens; with prompt chunks: one-token rows, ``PackedBatch``), then each
         prefill group, left-padded to its longest chunk (the cache stores no padding; the last column is each
-        row's last token). Returns (calls, the (request, tokens) of each call, the flat rows whose logits are
-        sampled: the last token of each request that finishes its tokens this step)."""
-        calls, parts, picks, offset = [], [], [], 0
+        row's last token). Returns (calls, the requests whose tokens this step completes, and the flat row of
+        each one's last token: the rows whose logits are sampled, in the same order)."""
+        calls, ready, picks, offset = [], [], [], 0
+
+        def sample(chunks, last_rows):
+            for (req, n), row in zip(chunks, last_rows):
+                if req.computed + n == req.num_tokens:
+                    ready.append(req)
+                    picks.append(offset + row)
+
         if packed:
             seq_ids = [req.request_id for req, _ in packed]
             ids = [t for req, n in packed for t in req.all_ids[req.computed : req.computed + n]]
@@ -215,18 +218,16 @@ class Engine:
                 view = PackedBatch(self.cache, seq_ids, [n for _, n in packed])
                 last = view.last_rows
             calls.append((torch.tensor(ids, device=self._device)[:, None], view))
-            parts.append(packed)
-            picks += [offset + r for (req, n), r in zip(packed, last) if req.computed + n == req.num_tokens]
+            sample(packed, last)
             offset += len(ids)
         for group in groups:
             T = max(n for _, n in group)
             ids = [[0] * (T - n) + req.all_ids[req.computed : req.computed + n] for req, n in group]
             view = self.cache.batch([req.request_id for req, _ in group], [n for _, n in group])
             calls.append((torch.tensor(ids, device=self._device), view))
-            parts.append(group)
-            picks += [offset + b * T + T - 1 for b, (req, n) in enumerate(group) if req.computed + n == req.num_tokens]
+            sample(group, range(T - 1, len(group) * T, T))
             offset += len(group) * T
-        return calls, parts, picks
+        return calls, ready, picks
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list[Request]:
         """The next token of each request (row b of logits is reqs[b]'s), all drawn together, then the stop
