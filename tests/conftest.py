@@ -18,6 +18,22 @@ REQUIRE_SHARED_ENV = "KVLM_REQUIRE_SHARED"
 torch.set_num_threads(1)
 
 
+def require_kernels():
+    """Skip unless the CPU decode kernels are built (building them once, minutes the first time on a machine):
+    disabled or no compiler skips (the plain path is what the rest of the suite runs); a compiler present but a
+    failed build fails."""
+    import shutil
+
+    from kvlm.kernels import cpu as kcpu
+
+    if not kcpu.enabled():
+        pytest.skip(f"kernels disabled by {kcpu.ENV}=0")
+    if kcpu.extension() is None:
+        if shutil.which("c++") or shutil.which("g++"):
+            pytest.fail(f"a C++ compiler is present but the kernel did not build: {kcpu.build_error()}")
+        pytest.skip("no C++ compiler: the CPU kernels cannot be built here")
+
+
 def tiny_config(attention="mha", **overrides):
     """A model small enough for float64 tests in milliseconds."""
     from kvlm import ModelConfig

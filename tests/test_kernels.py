@@ -3,11 +3,10 @@ definition (softmax over each sequence's visible slots), kvlm's own plain routes
 kernels on and off; and the dispatch: decode routes do call the kernels, and fall back when they cannot."""
 
 import math
-import shutil
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import require_kernels, tiny_config
 
 from kvlm import build_model, kernels
 from kvlm.attention.latent_ops import latent_attention
@@ -25,14 +24,7 @@ FP8 = [] if fp8_dtype() is None else ["fp8"]
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
-    """The extension, built once (minutes the first time on a machine). No compiler: skipped, and the plain
-    path is what the rest of the suite runs; a compiler that fails to build it is a failure."""
-    if not kcpu.enabled():
-        pytest.skip(f"kernels disabled by {kcpu.ENV}=0")
-    if kcpu.extension() is None:
-        if shutil.which("c++") or shutil.which("g++"):
-            pytest.fail(f"a C++ compiler is present but the kernel did not build: {kcpu.build_error()}")
-        pytest.skip("no C++ compiler: the CPU kernels cannot be built here")
+    require_kernels()
 
 
 def paged(x: torch.Tensor, page_size: int, gen: torch.Generator, lead: bool = False):

@@ -15,7 +15,7 @@ import sys
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import require_kernels, tiny_config
 
 from kvlm import build_model, kernels
 from kvlm.cache import PagedKVCache
@@ -30,16 +30,7 @@ COUNTER = "latent_block_cpu"
 
 @pytest.fixture(scope="module", autouse=True)
 def built():
-    """The extension, built once; no compiler: skipped (the plain path is what runs); a failed build with a
-    compiler present is a failure."""
-    if not kcpu.enabled():
-        pytest.skip(f"kernels disabled by {kcpu.ENV}=0")
-    if kcpu.extension() is None:
-        import shutil
-
-        if shutil.which("c++") or shutil.which("g++"):
-            pytest.fail(f"a C++ compiler is present but the kernel did not build: {kcpu.build_error()}")
-        pytest.skip("no C++ compiler: the CPU kernels cannot be built here")
+    require_kernels()
 
 
 # --- the kernel alone, against the definition ----------------------------------------------------------------

@@ -3,11 +3,10 @@ block views once per call from host values they already hold (``BlockView.keys``
 cache's ``StepSlots``, the paged cache's index), so no layer reads a tensor back; and a value built for one call
 is never served to another (another end, another padding, other sequences)."""
 
-import shutil
 
 import pytest
 import torch
-from conftest import tiny_config
+from conftest import require_kernels, tiny_config
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvlm import build_model, kernels
@@ -16,7 +15,6 @@ from kvlm.attention.step import Step
 from kvlm.cache import KVCache
 from kvlm.cache.layer import StepSlots
 from kvlm.cache.paged import PagedKVCache
-from kvlm.kernels import cpu as kcpu
 
 SPECS = [{"k": (2, 4), "v": (2, 4)}, {"k": (2, 4), "v": (2, 4)}]
 
@@ -152,15 +150,6 @@ class _ReadBacks(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _kernels_built():
-    if not kcpu.enabled():
-        pytest.skip(f"kernels disabled by {kcpu.ENV}=0")
-    if kcpu.extension() is None:
-        if shutil.which("c++") or shutil.which("g++"):
-            pytest.fail(f"a C++ compiler is present but the kernel did not build: {kcpu.build_error()}")
-        pytest.skip("no C++ compiler: the CPU kernels cannot be built here")
-
-
 def _decode_read_backs(attention: str, n_layer: int, paged: bool, **cfg) -> tuple[int, int]:
     """Read-backs and kernel calls of one decode step (batch 3, ragged or left-padded), after a prefill."""
     torch.manual_seed(0)
@@ -190,7 +179,7 @@ def _decode_read_backs(attention: str, n_layer: int, paged: bool, **cfg) -> tupl
 def test_decode_reads_nothing_back_per_layer(attention, cfg, paged):
     """A layer more adds a kernel call and no read-back: what the kernels need per call (key counts, the split
     of the key axis) comes from the cache's host values, once per step."""
-    _kernels_built()
+    require_kernels()
     one, calls_one = _decode_read_backs(attention, 1, paged, **cfg)
     three, calls_three = _decode_read_backs(attention, 3, paged, **cfg)
     assert calls_one == 1 and calls_three == 3  # the kernels ran (else there is nothing to measure)
@@ -200,7 +189,7 @@ def test_decode_reads_nothing_back_per_layer(attention, cfg, paged):
 def test_kernel_flop_count_uses_the_views_keys():
     """kvlm.kernels.FLOPS (what ``kvlm bench`` adds to torch's FLOP count) from the cache's host key counts
     equals the definition: 2 h (2 d_c + d_R) multiply-adds per new token and visible cached key."""
-    _kernels_built()
+    require_kernels()
     torch.manual_seed(0)
     cfg = tiny_config("mla", n_layer=2, kv_lora_rank=16, rope_head_dim=8)
     model = build_model(cfg).eval().prepare_for_inference()
