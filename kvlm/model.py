@@ -252,9 +252,10 @@ class KVLM(nn.Module):
                 raise ValueError(f"tokens must be a non-empty (batch, seq) tensor, got shape {tuple(tokens.shape)}")
             if not hasattr(view, "activate"):
                 raise CacheError(f"forward_parts takes paged views (PagedBatch, PackedBatch), got {type(view).__name__}")
-            if seen & set(view.seq_ids):
-                raise CacheError(f"sequences {sorted(map(str, seen & set(view.seq_ids)))} appear in two calls of one forward")
-            seen |= set(view.seq_ids)
+            ids = set(view.seq_ids)
+            if seen & ids:
+                raise CacheError(f"sequences {sorted(map(str, seen & ids))} appear in two calls of one forward")
+            seen |= ids
             self._check_token_ids(tokens, view)
             self._check_cache_fits(view)
         dtype = self.embed.weight.dtype
