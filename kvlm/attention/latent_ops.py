@@ -68,6 +68,13 @@ def latent_attention(
     return torch.bmm(p, c_v).view(B, H, T, c_v.shape[-1])
 
 
+def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x (B, h, T, a) times w (h, a, b) head by head -> (B, h, T, b): one batched GEMM over the heads, as
+    einsum("bhta,hab->bhtb") computes it, without einsum's parsing (~3 % of an absorbed MLA decode step)."""
+    B, h, T, a = x.shape
+    return torch.bmm(x.transpose(0, 1).reshape(h, B * T, a), w).view(h, B, T, -1).transpose(0, 1)
+
+
 def rope_scores(q_rope: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor:
     """q^R k^R^T as (B, H T, S): q_rope (B, H, T, d_R); k_rope (B, S, d_R), one key for every head, or
     (B, n_R, S, d_R), head i reading key i // (H / n_R): one matmul per key head over its H / n_R query heads."""

@@ -61,7 +61,7 @@ from kvlm import kernels
 from kvlm.attention import register
 from kvlm.attention.base import Step, require
 from kvlm.attention.latent import LatentAttention, check_latent_config
-from kvlm.attention.latent_ops import latent_attention
+from kvlm.attention.latent_ops import head_matmul, latent_attention
 from kvlm.attention.rope import apply_rope
 from kvlm.config import ModelConfig
 
@@ -215,7 +215,7 @@ class MLA(LatentAttention):
         c_q = self.query_input(x)
         if aw.w_q is None:
             q_nope, q_rope = self.query_from(c_q, cs)
-            return torch.einsum("bhtp,hpc->bhtc", q_nope, aw.w_uk), q_rope
+            return head_matmul(q_nope, aw.w_uk), q_rope  # q^C W~^UK per head
         q_lat = c_q @ aw.w_q
         if aw.b_q is not None:
             q_lat = q_lat + aw.b_q
@@ -232,7 +232,7 @@ class MLA(LatentAttention):
         if aw.w_ov is not None:
             out = z.transpose(1, 2).reshape(B, T, H * Dc) @ aw.w_ov
             return out + aw.b_ov if aw.b_ov is not None else out
-        o = torch.einsum("bhtc,hcp->bhtp", z, aw.w_uv)
+        o = head_matmul(z, aw.w_uv)  # z W~^UV per head
         if aw.b_uv is not None:
             o = o + aw.b_uv.view(H, 1, -1)
         return self.output(o, x)

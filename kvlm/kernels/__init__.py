@@ -14,7 +14,10 @@ no compiler, an unsupported dtype, autograd recording, too many new tokens) they
 ``KernelUnavailable`` with the reason when called with ``strict=True``; callers then take the plain PyTorch
 path, which stays the reference the kernels are tested against (tests/test_kernels.py).
 
-``CALLS`` counts the kernel calls by name ("latent_cpu", "latent_block_cpu", "gqa_cpu", "latent_triton"), so
+``rms_norm(x, weight, eps)``: RMSNorm in one C++ pass on float32 CPU tensors without autograd (decode's norms).
+
+``CALLS`` counts the kernel calls by name ("latent_cpu", "latent_block_cpu", "gqa_cpu", "latent_triton",
+"rms_norm_cpu"), so
 tests can prove the decode routes use the kernels.
 """
 
@@ -77,6 +80,23 @@ def _cpu_reason(q: torch.Tensor, n_new: int) -> str | None:
             else f"the extension did not build ({cpu.build_error()})"
         )
     return None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """RMSNorm of float32 CPU ``x`` over its last axis in one C++ pass (``F.rms_norm`` runs ~10 operators on
+    CPU, the largest share of a decode step's small-operator time), or None where it does not apply: another
+    dtype or device, a tensor subclass (a tensor-parallel DTensor), autograd recording, kernels unavailable."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or type(x) is not torch.Tensor:
+        return None
+    if type(weight.data) is not torch.Tensor or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return None
+    ext = cpu.extension()
+    if ext is None:
+        return None
+    CALLS["rms_norm_cpu"] += 1
+    return ext.rms_norm(x, weight, eps)
 
 
 def _check_pool(q: torch.Tensor, view: BlockView, what: str) -> str | None:

@@ -31,9 +31,17 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}  # "module" once built, "error" once failed
 
 
+# the environment variable's value -> enabled: read on every call (tests set it), parsed once per value
+_parsed: dict[str | None, bool] = {}
+
+
 def enabled() -> bool:
     """False when ``KVLM_KERNELS=0`` (or "false"/"off"): every kernel is skipped, the plain path runs."""
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+    raw = os.environ.get(ENV)
+    on = _parsed.get(raw)
+    if on is None:
+        on = _parsed[raw] = (raw or "1").strip().lower() not in ("0", "false", "off", "no")
+    return on
 
 
 def _cpu_tag() -> str:

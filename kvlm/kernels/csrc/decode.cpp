@@ -210,8 +210,43 @@ at::Tensor decode_attention(const at::Tensor& q, const c10::optional<at::Tensor>
   return run<double>(J, q, qr, n_split);
 }
 
+// RMSNorm in one pass per row: y = x / sqrt(mean(x^2) + eps) * w, the sum of squares in double. torch's CPU
+// rms_norm runs as ~10 separate operators, ~30-80 us each call at decode's few rows (issue 15, "the rest of the
+// step"); this is one. Rows split over the threads only when there are many (a prefill), not for decode's few.
+template <typename T>
+void rms_norm_rows(const T* x, const T* w, T* y, int64_t rows, int64_t D, double eps) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(D, 1)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + r * D;
+      T* yr = y + r * D;
+      double ss = 0;
+#pragma omp simd reduction(+ : ss)  // lets the compiler reorder the sum into vector lanes
+      for (int64_t d = 0; d < D; ++d) ss += double(xr[d]) * double(xr[d]);
+      const T inv = T(1.0 / std::sqrt(ss / double(D) + eps));
+      for (int64_t d = 0; d < D; ++d) yr[d] = xr[d] * inv * w[d];
+    }
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "rms_norm takes CPU tensors");
+  TORCH_CHECK(x.scalar_type() == weight.scalar_type(), "x and weight must have one dtype");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kDouble, "x must be float32 or float64");
+  TORCH_CHECK(x.dim() >= 1 && weight.dim() == 1 && weight.size(0) == x.size(-1), "weight must be (x.size(-1),)");
+  auto xc = x.contiguous();
+  auto wc = weight.contiguous();
+  auto y = at::empty_like(xc);
+  const int64_t D = x.size(-1), rows = D ? xc.numel() / D : 0;
+  if (x.scalar_type() == at::kFloat)
+    rms_norm_rows<float>(xc.data_ptr<float>(), wc.data_ptr<float>(), y.data_ptr<float>(), rows, D, eps);
+  else
+    rms_norm_rows<double>(xc.data_ptr<double>(), wc.data_ptr<double>(), y.data_ptr<double>(), rows, D, eps);
+  return y;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "flash-decoding attention over a block-table cache (CPU)");
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last axis in one pass (CPU)");
 }
