@@ -1,5 +1,6 @@
-"""The one-pass RMSNorm of the CPU extension (kvlm.kernels.rms_norm) against torch's in float64, where it applies
-and where it declines, and that the model's decode step takes it."""
+"""Small pieces of the decode step made cheaper (issue 15, "the rest of the step"): the one-pass RMSNorm of the CPU
+extension (kvlm.kernels.rms_norm) against torch's in float64, where it applies and where it declines, and that the
+model's decode step takes it; the Dropout that skips aten's call when it drops nothing."""
 
 import pytest
 import torch
@@ -8,12 +9,20 @@ from conftest import require_kernels, tiny_config
 
 from kvlm import build_model, kernels
 from kvlm.kernels import cpu as kcpu
-from kvlm.model import RMSNorm
+from kvlm.model import Dropout, RMSNorm
 
 
-@pytest.fixture(autouse=True)
-def _kernels():
-    require_kernels()
+def test_dropout_drops_in_training_and_is_the_identity_otherwise():
+    x = torch.ones(4000)
+    d = Dropout(0.25).train()
+    torch.manual_seed(0)
+    y = d(x)
+    kept = y != 0
+    assert 0.6 < kept.float().mean().item() < 0.9  # about 3 in 4 kept
+    assert torch.allclose(y[kept], torch.full_like(y[kept], 1 / 0.75))  # rescaled as torch's
+    torch.manual_seed(0)
+    assert torch.equal(y, torch.nn.functional.dropout(x, 0.25, True))  # the same draws as torch's
+    assert d.eval()(x) is x and Dropout(0.0).train()(x) is x
 
 
 def _reference(x, w, eps):
@@ -22,6 +31,7 @@ def _reference(x, w, eps):
 
 @pytest.mark.parametrize("shape", [(1, 1, 768), (8, 1, 256), (3, 5, 7), (2, 300, 64), (17,)])
 def test_equals_float64_reference(shape):
+    require_kernels()
     torch.manual_seed(0)
     x, w = 3 * torch.randn(shape), torch.randn(shape[-1])
     with torch.inference_mode():
@@ -32,6 +42,7 @@ def test_equals_float64_reference(shape):
 
 
 def test_rows_split_over_threads_equal_one_thread():
+    require_kernels()
     """Enough rows that the extension splits them over the threads (the suite runs at 1 thread)."""
     x, w = torch.randn(4096, 96), torch.randn(96)
     saved = torch.get_num_threads()
@@ -47,6 +58,7 @@ def test_rows_split_over_threads_equal_one_thread():
 
 
 def test_non_contiguous_input_and_eps():
+    require_kernels()
     x = torch.randn(6, 40)[:, ::2]  # stride 2 in the normalised axis
     w = torch.randn(20)
     tiny = 1e-3 * x  # eps matters when the mean square is this small
@@ -57,6 +69,7 @@ def test_non_contiguous_input_and_eps():
 
 
 def test_float64_in_the_extension_matches_torch():
+    require_kernels()
     """The extension's double path (the Python entry sends only float32 there) equals torch's to rounding."""
     x, w = torch.randn(5, 33, dtype=torch.float64), torch.randn(33, dtype=torch.float64)
     y = kcpu.extension().rms_norm(x, w, 1e-5)
@@ -64,6 +77,7 @@ def test_float64_in_the_extension_matches_torch():
 
 
 def test_declines_where_it_does_not_apply(monkeypatch):
+    require_kernels()
     x, w = torch.randn(2, 8), torch.randn(8)
     assert kernels.rms_norm(x.double(), w.double(), 1e-5) is None  # float64: the reference path
     wg = torch.randn(8, requires_grad=True)
@@ -76,11 +90,13 @@ def test_declines_where_it_does_not_apply(monkeypatch):
 
 
 def test_bad_weight_is_one_clear_error():
+    require_kernels()
     with pytest.raises(RuntimeError, match="weight must be"):
         kcpu.extension().rms_norm(torch.randn(2, 8), torch.randn(7), 1e-5)
 
 
 def test_module_uses_it_at_inference_and_trains_through_torch():
+    require_kernels()
     norm = RMSNorm(16)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(16))
@@ -96,6 +112,7 @@ def test_module_uses_it_at_inference_and_trains_through_torch():
 
 
 def test_decode_step_takes_it_and_equals_the_plain_path(monkeypatch):
+    require_kernels()
     torch.manual_seed(0)
     model = build_model(tiny_config("mla", kv_lora_rank=16, rope_head_dim=8)).eval()
     tokens = torch.randint(0, model.cfg.vocab_size, (2, 9))
