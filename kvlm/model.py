@@ -20,11 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvlm import kernels
 from kvlm.attention import Attention, GateEmbedding, Step, get_attention_class
 from kvlm.attention.base import GroupPacking, Linear
 from kvlm.cache import CacheError, KVCache
 from kvlm.config import ModelConfig
+from kvlm.hugepages import move_to_huge_pages_
+from kvlm.kernels import rms_norm as one_pass_rms_norm
 
 
 class RMSNorm(nn.Module):
@@ -34,7 +35,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = kernels.rms_norm(x, self.weight, self.eps)  # one pass at inference on CPU; None elsewhere
+        y = one_pass_rms_norm(x, self.weight, self.eps)  # one pass at inference on CPU; None elsewhere
         return y if y is not None else F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
@@ -175,7 +176,10 @@ class KVLM(nn.Module):
     # --- inference ----------------------------------------------------------------------------
     def prepare_for_inference(self) -> KVLM:
         """Build every attention's derived weights (absorbed matrices, gate tables) from the current parameters,
-        once, before decoding; call again after the weights change. Returns the model."""
+        once, before decoding; call again after the weights change. Large CPU weights move into huge pages
+        (``kvlm.hugepages.move_to_huge_pages_``: a decode step streams them all; same values and Parameter objects). Returns
+        the model."""
+        move_to_huge_pages_(self)
         for module in self.modules():
             if isinstance(module, Attention):
                 module.prepare_for_inference()

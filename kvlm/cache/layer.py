@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvlm.config import spec_numel
+from kvlm.hugepages import zeros_in_huge_pages
 
 if TYPE_CHECKING:
     from kvlm.attention.step import Step
@@ -178,7 +179,7 @@ class ContiguousLayer(CacheLayer):
         self.buffers: dict[str, torch.Tensor] = {}
         for name, shape in self.spec.items():
             *lead, last = shape
-            self.buffers[name] = torch.zeros(batch_size, *lead, max_seq_len, last, dtype=dtype, device=device)
+            self.buffers[name] = zeros_in_huge_pages((batch_size, *lead, max_seq_len, last), dtype, device)
 
     def append(self, name: str, value: torch.Tensor, step: Step) -> torch.Tensor:
         buf = self.buffers[name]

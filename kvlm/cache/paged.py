@@ -42,6 +42,7 @@ from kvlm.cache.quantized import (
     storage_dtype,
 )
 from kvlm.errors import CacheError
+from kvlm.hugepages import zeros_in_huge_pages
 
 if TYPE_CHECKING:
     from kvlm.attention.step import Step
@@ -92,7 +93,7 @@ class PagedLayer(CacheLayer):
             *lead, last = shape
             quantized = is_quantized_name(name, cache.kv_dtype)
             dtype = storage_dtype(cache.kv_dtype, cache.dtype) if quantized else cache.dtype
-            self.pools[name] = torch.zeros(N, *lead, P, last, dtype=dtype, device=dev)
+            self.pools[name] = zeros_in_huge_pages((N, *lead, P, last), dtype, dev)  # streamed each step: 2 MiB pages
             if quantized:
                 self.scales[name] = torch.zeros(N, *lead, P, 1, dtype=SCALE_DTYPE, device=dev)
 

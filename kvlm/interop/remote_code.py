@@ -83,9 +83,13 @@ def gqa_decode(*args, strict=False, **kwargs):
     return None
 
 
+def rms_norm(*args, **kwargs):
+    return None
+
+
 kernels = SimpleNamespace(
     CALLS=CALLS, FLOPS=FLOPS, MAX_NEW=MAX_NEW, KernelUnavailable=KernelUnavailable, ready=ready,
-    latent_decode=latent_decode, gqa_decode=gqa_decode,
+    latent_decode=latent_decode, gqa_decode=gqa_decode, rms_norm=rms_norm,
 )
 '''
 FALLBACKS = {"kvlm.kernels": ("kvlm_kernels_fallback", _KERNELS_FALLBACK)}
