@@ -1,0 +1,133 @@
+"""The decode step with and without each of its cheaper pieces (issue 15, "the rest of the step"), interleaved in one
+process: the two arms alternate step by step and each line gives the median over rounds of the per-round ratio
+old / new, so a busy shared machine slows both alike (benchmarks/decode-limit.md, last section).
+
+    OMP_NUM_THREADS=2 python benchmarks/step_ab.py            # ~3 min on 2 quiet cores
+    OMP_NUM_THREADS=2 python benchmarks/step_ab.py --quick    # a toy shape: checks the script
+
+Pieces (old arm -> new arm), at the bench reference shape:
+- ``rms_norm``: torch's ``F.rms_norm`` -> ``kvlm.kernels.rms_norm`` (one C++ pass), 1 cached token;
+- ``head_matmul``: ``einsum`` -> ``latent_ops.head_matmul`` for MLA's per-head absorption, 1 cached token;
+- ``huge-page cache``: the cache's pools in 4 KiB pages -> in 2 MiB pages (``kvlm.hugepages``), long contexts;
+- ``huge-page weights``: parameters in 4 KiB pages -> moved by ``prepare_for_inference``, batch 1, 1 token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import time
+
+import torch
+
+import kvlm.attention.mla as mla_module
+import kvlm.model as model_module
+from kvlm import hugepages
+from kvlm.bench.plan import parse_variant
+from kvlm.inference.generation import packs_for
+from kvlm.model import build_model
+
+SHAPE = dict(n_layer=6, d_model=768, n_head=12, vocab_size=32000, ffn_dim=2048)
+QUICK = dict(n_layer=2, d_model=64, n_head=4, vocab_size=256, ffn_dim=128)
+MLA = "mla:kv_lora_rank=256:rope_head_dim=32"
+VARIANTS = ["mha", "gqa:n_kv_head=3", MLA]
+VARIANTS_QUICK = ["mha", "gqa:n_kv_head=2", "mla:kv_lora_rank=32:rope_head_dim=8"]
+
+
+def _einsum_heads(x, w):
+    return torch.einsum("bhtp,hpc->bhtc", x, w)  # as MLA wrote it before head_matmul
+
+
+def _model(spec: str, shape: dict, max_len: int, huge_weights: bool = True):
+    _, cfg = parse_variant(spec, shape)
+    torch.manual_seed(0)
+    os.environ[hugepages.ENV] = "1" if huge_weights else "0"
+    try:
+        return build_model(cfg.replace(max_seq_len=max_len)).eval().prepare_for_inference()
+    finally:
+        os.environ.pop(hugepages.ENV)
+
+
+def _cache(model, batch: int, context: int, huge: bool):
+    os.environ[hugepages.ENV] = "1" if huge else "0"
+    try:
+        cache = model.new_cache(batch, context + 4)
+    finally:
+        os.environ.pop(hugepages.ENV)
+    torch.manual_seed(1)
+    cache.fill_random_(context, model.cfg.vocab_size)
+    return cache
+
+
+def ab(arms: dict, rounds: int) -> tuple[float, float, float]:
+    """arms: {"old": f, "new": f}, each one decode step; (old ms, new ms, median per-round old / new)."""
+    times: dict = {k: [] for k in arms}
+    for f in arms.values():
+        f()
+    for _ in range(rounds):
+        for k, f in arms.items():
+            t0 = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t0)
+    ratio = statistics.median(o / n for o, n in zip(times["old"], times["new"]))
+    return statistics.median(times["old"]) * 1e3, statistics.median(times["new"]) * 1e3, ratio
+
+
+def run(spec: str, batch: int, context: int, piece: str, shape: dict, rounds: int) -> tuple[float, float, float]:
+    mode = "absorbed" if spec.startswith("mla") else "auto"
+    huge_weights = piece != "huge-page weights"
+    model = _model(spec, shape, context + 8, huge_weights)
+    old_model = _model(spec, shape, context + 8, False) if not huge_weights else model
+    caches = {"old": _cache(model, batch, context, piece != "huge-page cache"), "new": None}
+    caches["new"] = caches["old"] if piece != "huge-page cache" else _cache(model, batch, context, True)
+    tok = torch.randint(0, model.cfg.vocab_size, (batch, 1))
+    for m in {id(model): model, id(old_model): old_model}.values():
+        if packs_for(m, batch):
+            m.pack_for_decode(batch)
+    fused, heads = model_module.one_pass_rms_norm, mla_module.head_matmul
+
+    def step(arm: str):
+        use_old = arm == "old"
+        model_module.one_pass_rms_norm = (lambda *a: None) if use_old and piece == "rms_norm" else fused
+        mla_module.head_matmul = _einsum_heads if use_old and piece == "head_matmul" else heads
+        m = old_model if use_old else model
+        cache = caches[arm]
+        cache.length = context
+        out = m(tok, cache=cache, mode=mode, last_only=True)
+        model_module.one_pass_rms_norm, mla_module.head_matmul = fused, heads
+        return out
+
+    with torch.inference_mode():
+        old, new = step("old"), step("new")
+        assert (old - new).abs().max().item() < 1e-3, f"{piece}: the arms disagree"
+        return ab({"old": lambda: step("old"), "new": lambda: step("new")}, rounds)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a toy shape, to check the script (seconds)")
+    ap.add_argument("--rounds", type=int, default=25, help="interleaved rounds per line")
+    a = ap.parse_args()
+    shape = QUICK if a.quick else SHAPE
+    variants = VARIANTS_QUICK if a.quick else VARIANTS
+    long = {1: 256, 8: 128} if a.quick else {1: 8192, 8: 4096}
+    print(f"{torch.get_num_threads()} threads, THP: {open('/sys/kernel/mm/transparent_hugepage/enabled').read().strip()}"
+          if os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled") else "")  # fmt: skip
+    print("| piece | variant | batch | cached tokens | old ms | new ms | old / new |\n|---|---|---:|---:|---:|---:|---:|")
+    for piece in ("rms_norm", "head_matmul", "huge-page cache", "huge-page weights"):
+        for spec in variants:
+            if piece == "head_matmul" and not spec.startswith("mla"):
+                continue
+            for batch in (1, 8):
+                if piece == "huge-page weights" and batch != 1:
+                    continue  # batch 4-16 reads MKL's packed copies, which torch allocates
+                context = long[batch] if piece == "huge-page cache" else 1
+                old, new, ratio = run(spec, batch, context, piece, shape, 3 if a.quick else a.rounds)
+                name = spec.split(":")[0]
+                print(f"| {piece} | {name} | {batch} | {context} | {old:.2f} | {new:.2f} | {ratio:.3f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
