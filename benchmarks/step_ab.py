@@ -15,7 +15,6 @@ Pieces (old arm -> new arm), at the bench reference shape:
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import statistics
 import time
@@ -75,7 +74,9 @@ def ab(arms: dict, rounds: int) -> tuple[float, float, float]:
     return statistics.median(times["old"]) * 1e3, statistics.median(times["new"]) * 1e3, ratio
 
 
-def run(spec: str, batch: int, context: int, piece: str, shape: dict, rounds: int) -> tuple[float, float, float]:
+def run(
+    spec: str, batch: int, context: int, piece: str, shape: dict, rounds: int
+) -> tuple[float, float, float]:
     mode = "absorbed" if spec.startswith("mla") else "auto"
     huge_weights = piece != "huge-page weights"
     model = _model(spec, shape, context + 8, huge_weights)
@@ -115,7 +116,9 @@ def main() -> None:
     long = {1: 256, 8: 128} if a.quick else {1: 8192, 8: 4096}
     print(f"{torch.get_num_threads()} threads, THP: {open('/sys/kernel/mm/transparent_hugepage/enabled').read().strip()}"
           if os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled") else "")  # fmt: skip
-    print("| piece | variant | batch | cached tokens | old ms | new ms | old / new |\n|---|---|---:|---:|---:|---:|---:|")
+    print(
+        "| piece | variant | batch | cached tokens | old ms | new ms | old / new |\n|---|---|---:|---:|---:|---:|---:|"
+    )
     for piece in ("rms_norm", "head_matmul", "huge-page cache", "huge-page weights"):
         for spec in variants:
             if piece == "head_matmul" and not spec.startswith("mla"):
@@ -126,7 +129,10 @@ def main() -> None:
                 context = long[batch] if piece == "huge-page cache" else 1
                 old, new, ratio = run(spec, batch, context, piece, shape, 3 if a.quick else a.rounds)
                 name = spec.split(":")[0]
-                print(f"| {piece} | {name} | {batch} | {context} | {old:.2f} | {new:.2f} | {ratio:.3f} |", flush=True)
+                print(
+                    f"| {piece} | {name} | {batch} | {context} | {old:.2f} | {new:.2f} | {ratio:.3f} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":
