@@ -177,8 +177,8 @@ class KVLM(nn.Module):
     def prepare_for_inference(self) -> KVLM:
         """Build every attention's derived weights (absorbed matrices, gate tables) from the current parameters,
         once, before decoding; call again after the weights change. Large CPU weights move into huge pages
-        (``kvlm.hugepages.move_to_huge_pages_``: a decode step streams them all; same values and Parameter objects). Returns
-        the model."""
+        (``kvlm.hugepages.move_to_huge_pages_``: a decode step streams them all; the same values and Parameter
+        objects). Returns the model."""
         move_to_huge_pages_(self)
         for module in self.modules():
             if isinstance(module, Attention):

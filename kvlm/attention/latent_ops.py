@@ -70,7 +70,7 @@ def latent_attention(
 
 def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x (B, h, T, a) times w (h, a, b) head by head -> (B, h, T, b): one batched GEMM over the heads, as
-    einsum("bhta,hab->bhtb") computes it, without einsum's parsing (~3 % of an absorbed MLA decode step)."""
+    einsum("bhtp,hpc->bhtc") computes it, without einsum's parsing (~3 % of an absorbed MLA decode step)."""
     B, h, T, a = x.shape
     return torch.bmm(x.transpose(0, 1).reshape(h, B * T, a), w).view(h, B, T, -1).transpose(0, 1)
 
