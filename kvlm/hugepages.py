@@ -85,7 +85,9 @@ def move_to_huge_pages_(module: torch.nn.Module) -> int:
     if not enabled():
         return 0
     moved = 0
-    with torch.no_grad():
+    # normal tensors even when called under torch.inference_mode() (generate inside a caller's block): an
+    # inference tensor as a parameter's data would fail the next training step's backward
+    with torch.no_grad(), torch.inference_mode(False):
         for p in module.parameters():  # each tied parameter once
             t = p.data
             nbytes = t.numel() * t.element_size()

@@ -73,6 +73,18 @@ def test_rehome_keeps_values_identity_and_tying():
 
 
 @needs_thp
+def test_moved_under_inference_mode_the_weights_still_train():
+    torch.manual_seed(0)
+    model = build_model(tiny_config("gqa", n_kv_head=2, d_model=256, n_head=4, vocab_size=4096))
+    with torch.inference_mode():
+        assert hugepages.move_to_huge_pages_(model) > 0
+    assert not model.lm_head.weight.is_inference()
+    tokens = torch.randint(0, 4096, (2, 6))
+    torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+    assert model.lm_head.weight.grad is not None
+
+
+@needs_thp
 def test_prepare_for_inference_moves_the_weights_and_caches_are_advised():
     torch.manual_seed(0)
     cfg = tiny_config("mla", d_model=256, n_head=4, vocab_size=4096, kv_lora_rank=64, max_seq_len=1100)
