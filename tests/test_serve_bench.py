@@ -26,15 +26,18 @@ from kvlm.serve.launch import Served, ServerThread, build_server, byte_tokenizer
 
 CTX = 64
 PAGE = 4
+# the capacity demonstration's context: long enough (128 generated tokens each) that the first sequences are still
+# running when the last of the 10 requests arrives, even with the machine busy (at 64 one run saw 8 together)
+LONG = 256
 
 
 @pytest.fixture(scope="module")
 def server():
     torch.manual_seed(0)
-    model = build_model(tiny_config("gqa", n_kv_head=2, vocab_size=257, max_seq_len=CTX)).eval()
+    model = build_model(tiny_config("gqa", n_kv_head=2, vocab_size=257, max_seq_len=LONG)).eval()
     served = Served(model, byte_tokenizer(), "tiny-gqa")
-    # 10 sequences of 64 tokens: 16 pages each (the 64th token is never cached: ceil(63 / 4) = 16)
-    app, engine = build_server(served, max_batch=32, max_waiting=64, page_size=PAGE, cache_tokens=10 * CTX)
+    # 10 sequences of 256 tokens: 64 pages each (the 256th token is never cached: ceil(255 / 4) = 64)
+    app, engine = build_server(served, max_batch=32, max_waiting=64, page_size=PAGE, cache_tokens=10 * LONG)
     with ServerThread(app) as srv:
         srv.engine, srv.model = engine, model
         yield srv
@@ -51,8 +54,8 @@ def test_run_load_counts_every_token(server):
 
 def test_capacity_is_the_engines_accounting_and_is_admitted(server):
     stats = server.engine.stats()
-    r = sb.capacity(server.url, CTX, demonstrate=True, poll_s=0.02)
-    per_seq = math.ceil((CTX - 1) / PAGE)
+    r = sb.capacity(server.url, LONG, demonstrate=True, poll_s=0.02)
+    per_seq = math.ceil((LONG - 1) / PAGE)
     assert r["sequences"] == stats["pages_total"] // per_seq == 10
     assert r["bytes_per_token"] == stats["bytes_per_token"]
     # bytes per token from the mechanism's cache_spec: GQA caches k and v of n_kv_head heads in every layer
