@@ -95,3 +95,19 @@ def all_variants():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+def twin_paged_caches(model, cached, kv_dtype=None):
+    """Two paged caches holding the same sequences (sequence i: the tokens cached[i]), one to run each sequence
+    alone, one for the batched call under test."""
+    from kvlm.cache import PagedKVCache
+
+    caches = []
+    for _ in range(2):
+        cache = PagedKVCache.for_model(model, cache_tokens=256, page_size=4, kv_dtype=kv_dtype)
+        for i, c in enumerate(cached):
+            cache.add_sequence(i)
+            if len(c):
+                model(c[None], cache=cache.batch([i]))
+        caches.append(cache)
+    return caches

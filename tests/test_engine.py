@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from conftest import all_variants, tiny_config
+from conftest import all_variants, tiny_config, twin_paged_caches
 
 from kvlm import build_model, generate
 from kvlm.cache import CacheError, PagedKVCache
@@ -375,20 +375,6 @@ def test_packed_batch_quantized(attention):
     _check_packed(attention, {}, "int8")
 
 
-def _twin_caches(model, cached, kv_dtype=None):
-    """Two paged caches holding the same sequences (sequence i: the tokens cached[i]), one to run each sequence
-    alone, one for the batched call under test."""
-    caches = []
-    for _ in range(2):
-        cache = PagedKVCache.for_model(model, cache_tokens=256, page_size=4, kv_dtype=kv_dtype)
-        for i, c in enumerate(cached):
-            cache.add_sequence(i)
-            if len(c):
-                model(c[None], cache=cache.batch([i]))
-        caches.append(cache)
-    return caches
-
-
 def _check_packed(attention, overrides, kv_dtype):
     torch.manual_seed(0)
     model = build_model(tiny_config(attention, **overrides)).double().eval().prepare_for_inference()
@@ -397,7 +383,7 @@ def _check_packed(attention, overrides, kv_dtype):
     cached = [torch.randint(0, V, (n,), generator=g) for n in PACK_CACHED]
     new = [torch.randint(0, V, (n,), generator=g) for n in PACK_NEW]
     with torch.inference_mode():
-        alone, packed = _twin_caches(model, cached, kv_dtype)
+        alone, packed = twin_paged_caches(model, cached, kv_dtype)
         want = torch.cat([model(x[None], cache=alone.batch([i]))[0] for i, x in enumerate(new)])
         view = PackedBatch(packed, [0, 1, 2, 3], list(PACK_NEW))
         got = model(torch.cat(new)[:, None], cache=view)[:, 0]
@@ -433,7 +419,7 @@ def test_forward_parts_equals_each_call_alone(attention, overrides):
     cached = [torch.randint(0, V, (n,), generator=g) for n in PARTS_CACHED]
     new = [torch.randint(0, V, (n,), generator=g) for n in PARTS_NEW]
     with torch.inference_mode():
-        alone, parts = _twin_caches(model, cached)
+        alone, parts = twin_paged_caches(model, cached)
         want = torch.stack([model(x[None], cache=alone.batch([i]))[0, -1] for i, x in enumerate(new)])
         padded = torch.stack([torch.cat([torch.zeros(7 - len(x), dtype=x.dtype), x]) for x in (new[1], new[3])])
         calls = [

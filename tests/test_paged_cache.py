@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from conftest import all_variants, decode_route, decode_route_keys, tiny_config
+from conftest import all_variants, decode_route, decode_route_keys, tiny_config, twin_paged_caches
 
 from kvlm import build_model
 from kvlm.cache import BlockView, CacheError, OutOfPages, PagedKVCache
@@ -435,16 +435,8 @@ def _check_padded_batch(model, kv_dtype, cached_lens=PADDED_CACHED, new_lens=PAD
     cached = [torch.randint(0, V, (n,), generator=g) for n in cached_lens]
     new = [torch.randint(0, V, (n,), generator=g) for n in new_lens]
     decodes = torch.randint(0, V, (2, len(new), 1), generator=g)
-    caches = []
     with torch.inference_mode():
-        for _ in range(2):
-            cache = PagedKVCache.for_model(model, cache_tokens=256, page_size=4, kv_dtype=kv_dtype)
-            for i, c in enumerate(cached):
-                cache.add_sequence(i)
-                if len(c):
-                    model(c[None], cache=cache.batch([i]))
-            caches.append(cache)
-        alone, batched = caches
+        alone, batched = twin_paged_caches(model, cached, kv_dtype)
         want = [model(x[None], cache=alone.batch([i]), last_only=True)[0, -1] for i, x in enumerate(new)]
         before = [
             {**layer.pools, **{f"scale:{k}": v for k, v in layer.scales.items()}} for layer in batched.layers
