@@ -85,16 +85,18 @@ def move_to_huge_pages_(module: torch.nn.Module) -> int:
     if not enabled():
         return 0
     moved = 0
-    # normal tensors even when called under torch.inference_mode() (generate inside a caller's block): an
-    # inference tensor as a parameter's data would fail the next training step's backward
-    with torch.no_grad(), torch.inference_mode(False):
-        for p in module.parameters():  # each tied parameter once
-            t = p.data
-            nbytes = t.numel() * t.element_size()
-            if type(t) is not torch.Tensor or t.device.type != "cpu" or nbytes < MIN_BYTES:
-                continue  # a tensor-parallel shard (DTensor), another device, or too small
-            if t.data_ptr() % HUGE == 0 or not t.is_contiguous():
-                continue
+    for p in module.parameters():  # each tied parameter once
+        t = p.data
+        nbytes = t.numel() * t.element_size()
+        if type(t) is not torch.Tensor or t.device.type != "cpu" or nbytes < MIN_BYTES:
+            continue  # a tensor-parallel shard (DTensor), another device, or too small
+        if t.data_ptr() % HUGE == 0 or not t.is_contiguous():
+            continue
+        # the new data is an inference tensor exactly when the old one was, whatever mode the caller is in: a
+        # normal parameter given inference data (a call under a caller's inference_mode block) would fail the
+        # next training step's backward; an inference parameter (a model built under inference_mode) given
+        # normal data keeps its version-less counter, and reading its version (packing) raises
+        with torch.no_grad(), torch.inference_mode(p.is_inference()):
             p.data = _advised_empty(tuple(t.shape), t.dtype, nbytes).copy_(t)
-            moved += nbytes
+        moved += nbytes
     return moved

@@ -85,6 +85,24 @@ def test_moved_under_inference_mode_the_weights_still_train():
 
 
 @needs_thp
+def test_a_model_built_under_inference_mode_is_moved_and_still_packs():
+    # the weights of a model built inside inference_mode are inference tensors; moving them must keep them so
+    # (new data of another kind left the parameters' version counters inconsistent: packing then raised)
+    torch.manual_seed(0)
+    cfg = tiny_config("gqa", n_kv_head=2, d_model=256, n_head=4, vocab_size=4096)
+    tokens = torch.randint(0, 4096, (4, 1))
+    with torch.inference_mode():
+        model = build_model(cfg).eval()
+        ref = model(tokens)
+        assert hugepages.move_to_huge_pages_(model) > 0
+        head = model.lm_head.weight
+        assert advised(head) and head.is_inference()
+        if not model.pack_for_decode(4):
+            pytest.skip("this torch build has no MKL packed GEMM")
+        torch.testing.assert_close(model(tokens), ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_thp
 def test_prepare_for_inference_moves_the_weights_and_caches_are_advised():
     torch.manual_seed(0)
     cfg = tiny_config("mla", d_model=256, n_head=4, vocab_size=4096, kv_lora_rank=64, max_seq_len=1100)
