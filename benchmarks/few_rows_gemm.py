@@ -1,0 +1,86 @@
+"""Weight GEMMs of a decode step at 1-16 rows: torch's F.linear, MKL's packed layout (what ``generate`` uses at
+batch 4-16) and an experimental few-row kernel on the plain weight (benchmarks/csrc/few_rows.cpp, not part of the
+package), interleaved in one process. Issue 15's "weight GEMMs at batch 1-8 read weights near bandwidth": this
+is the experiment behind benchmarks/decode-limit.md's section "Three passes, and what is left".
+
+    OMP_NUM_THREADS=2 python benchmarks/few_rows_gemm.py 1 2 4 8 16     # ~2 min after a ~1 min build
+
+Weights: the reference shape's projections (fused q/k/v, output, fused gate/up, down; 6 layers) and the LM head,
+268 MB, allocated in 2 MiB pages as ``prepare_for_inference`` leaves them. Each line: the median over rounds of
+the time to stream them all once, and the rate in GB/s of weights read; ``few pfN`` prefetches N bytes ahead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kvlm.hugepages import zeros_in_huge_pages
+
+HERE = Path(__file__).parent
+D, FFN, VOCAB = 768, 2048, 32000
+
+
+def build():
+    from torch.utils.cpp_extension import load
+
+    return load(
+        name="kvlm_bench_few_rows",
+        sources=[str(HERE / "csrc" / "few_rows.cpp")],
+        extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("rows", type=int, nargs="+", help="row counts (batch x new tokens)")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--prefetch", type=int, nargs="+", default=[0, 4096], help="prefetch distances (bytes)")
+    args = ap.parse_args()
+    ext = build()
+    shapes = [(3 * D, D), (D, D), (2 * FFN, D), (D, FFN)] * 6 + [(VOCAB, D)]
+    weights = []
+    for o, i in shapes:
+        w = zeros_in_huge_pages((o, i), torch.float32, torch.device("cpu"))
+        weights.append(w.copy_(torch.randn(o, i)))
+    mb = sum(w.numel() for w in weights) * 4 / 1e6
+    print(f"{torch.get_num_threads()} threads, {mb:.0f} MB of weights; ms (GB/s)", flush=True)
+    for M in args.rows:
+        xs = {i: torch.randn(M, i) for i in (D, FFN)}
+        calls = {"F.linear": lambda xs=xs: [F.linear(xs[w.shape[1]], w) for w in weights]}
+        for pfd in args.prefetch:
+            calls[f"few pf{pfd}"] = lambda xs=xs, pfd=pfd: [
+                ext.few_rows(xs[w.shape[1]], w, pfd, 8) for w in weights
+            ]
+            for w in weights[:4] + weights[-1:]:  # the kernel computes the product
+                got, ref = ext.few_rows(xs[w.shape[1]], w, pfd, 8), F.linear(xs[w.shape[1]], w)
+                torch.testing.assert_close(
+                    got, ref, rtol=1e-4, atol=1e-3
+                )  # K products summed in another order
+        if M >= 2:
+            packed = [torch.ops.mkl._mkl_reorder_linear_weight(w, M) for w in weights]
+            calls["MKL packed"] = lambda xs=xs, packed=packed, M=M: [
+                torch.ops.mkl._mkl_linear(xs[w.shape[1]], p, w, None, M) for w, p in zip(weights, packed)
+            ]
+        times: dict = {k: [] for k in calls}
+        with torch.inference_mode():
+            for _ in range(args.rounds):
+                for k, call in calls.items():
+                    t0 = time.perf_counter()
+                    call()
+                    times[k].append(time.perf_counter() - t0)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        print(
+            f"M={M}: " + "  ".join(f"{k} {t * 1e3:.1f} ({mb / t / 1e3:.1f})" for k, t in med.items()),
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

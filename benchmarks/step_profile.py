@@ -1,0 +1,97 @@
+"""Where a decode step's time goes between operators (issue 15, "the rest of the step"): the step at 1 cached
+token at the bench reference shape, timed on the clock (median of plain runs) and under ``torch.profiler``
+(self CPU time of every operator). The difference is the time outside any operator: Python, module calls and
+dispatch, which a static or compiled step would remove.
+
+    OMP_NUM_THREADS=2 python benchmarks/step_profile.py            # ~1 min
+    OMP_NUM_THREADS=2 python benchmarks/step_profile.py --quick    # a toy shape: checks the script
+
+Per variant (MHA, GQA-3, absorbed MLA) and batch (1, 8; weights packed at 8 as ``generate`` packs them), ms per
+step: ``clock`` (the lower of two medians of 10 plain steps, before and after profiling), ``in operators``
+(profiler, 10 steps, per step), of which ``GEMMs`` (mm, addmm, bmm, MKL's packed linear), and ``outside`` = clock
+- in operators. The profiler adds a little to each operator, and the clock is the quieter of two moments, so
+``outside`` is if anything an underestimate. Prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from kvlm.bench.plan import parse_variant
+from kvlm.inference.generation import packs_for
+from kvlm.model import build_model
+
+SHAPE = dict(n_layer=6, d_model=768, n_head=12, vocab_size=32000, ffn_dim=2048)
+QUICK = dict(n_layer=2, d_model=64, n_head=4, vocab_size=256, ffn_dim=128)
+VARIANTS = ["mha", "gqa:n_kv_head=3", "mla:kv_lora_rank=256:rope_head_dim=32"]
+VARIANTS_QUICK = ["mha", "gqa:n_kv_head=2", "mla:kv_lora_rank=32:rope_head_dim=8"]
+GEMMS = {"aten::mm", "aten::addmm", "aten::bmm", "mkl::_mkl_linear", "mkldnn::_linear_pointwise"}
+
+
+def profile_step(spec: str, batch: int, shape: dict) -> dict:
+    _, cfg = parse_variant(spec, shape)
+    cfg = cfg.replace(max_seq_len=64)
+    torch.manual_seed(0)
+    model = build_model(cfg).eval().prepare_for_inference()
+    mode = "absorbed" if spec.startswith("mla") else "auto"
+    cache = model.new_cache(batch, 32)
+    cache.fill_random_(1, cfg.vocab_size)
+    tok = torch.randint(0, cfg.vocab_size, (batch, 1))
+    if packs_for(model, batch):
+        model.pack_for_decode(batch)
+
+    def step():
+        cache.length = 1  # every step sees the same single cached token
+        model(tok, cache=cache, mode=mode, last_only=True)
+
+    with torch.inference_mode():
+        for _ in range(5):
+            step()
+
+        def clock_ms() -> float:
+            times = []
+            for _ in range(10):
+                t0 = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - t0)
+            return statistics.median(times) * 1e3
+
+        before = clock_ms()
+        n = 10
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(n):
+                step()
+        clock = min(
+            before, clock_ms()
+        )  # the quieter of the medians before and after: a busy moment is not counted
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events) / 1e3 / n
+    gemm = sum(e.self_cpu_time_total for e in events if e.key in GEMMS) / 1e3 / n
+    return {"clock": clock, "ops": total, "gemm": gemm, "outside": clock - total}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a toy shape, to check the script (seconds)")
+    args = ap.parse_args()
+    shape, variants = (QUICK, VARIANTS_QUICK) if args.quick else (SHAPE, VARIANTS)
+    print(f"{torch.get_num_threads()} threads, 1 cached token, ms per step\n")
+    print("| variant | batch | clock | in operators | GEMMs | outside operators |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for spec in variants:
+        for batch in (1, 8):
+            r = profile_step(spec, batch, shape)
+            print(
+                f"| {spec.split(':')[0]} | {batch} | {r['clock']:.2f} | {r['ops']:.2f} | {r['gemm']:.2f} | "
+                f"{r['outside']:.2f} ({r['outside'] / r['clock']:.0%}) |",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
