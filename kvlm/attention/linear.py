@@ -14,6 +14,9 @@ casts or any write to the weight):
   machine, the reference shape's weights at 1 thread (CPU time, the machine shared): 8 / 16 / 32 rows 51 / 61 /
   101 ms against 104 / 96 / 149 ms unpacked and 41 / 50 / 89 ms for MKL's layout packed for exactly that count.
 
+Under ``torch.compile`` neither packed layout is used (the compiler cannot lower the libraries' packed products):
+the plain product runs, which the compiler can.
+
 Unpacked, 4-16 rows run as W x^T, which MKL streams faster than x W^T (the 32000 x 768 LM head at batch 8: 12.4 ms
 against 25.6 ms; the 768 x 2048 FFN down-projection 1.0 against 3.0 ms). Below ``min_rows`` (4) rows F.linear
 streams the weights as fast as any packed layout, so those always take it.
@@ -119,7 +122,8 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.numel() else 0
-        if self._packed is not None and x.device.type == "cpu":
+        # compiled: the plain product (the compiler cannot lower MKL's packed one; its weight is no graph input)
+        if self._packed is not None and x.device.type == "cpu" and not torch.compiler.is_compiling():
             y = self._packed_for(x, rows)
             if y is not None:
                 return y
@@ -230,7 +234,9 @@ class GroupPacking(nn.Module):
         """The outputs of the Linears ``names`` on x through their packed group, or None (not packed for this
         call: the caller runs them one by one, which gives the same values)."""
         group = self.__dict__.get("_decode_groups", {}).get(names)
-        return None if group is None else group.outputs([getattr(self, n) for n in names], x)
+        if group is None or torch.compiler.is_compiling():  # compiled: one by one, as Linear.forward
+            return None
+        return group.outputs([getattr(self, n) for n in names], x)
 
     def train(self, mode: bool = True):
         if mode:

@@ -16,6 +16,10 @@ path, which stays the reference the kernels are tested against (tests/test_kerne
 
 ``rms_norm(x, weight, eps)``: RMSNorm in one C++ pass on float32 CPU tensors without autograd (decode's norms).
 
+Under ``torch.compile`` the CPU calls go through the custom operator ``kvlm::decode_attention``
+(``kvlm.kernels.library``), which the compiler keeps in its graph as one opaque call, and ``rms_norm`` declines
+(the compiler fuses torch's own); eager calls go to the extension directly.
+
 ``CALLS`` counts the attention kernels' calls by name ("latent_cpu", "latent_block_cpu", "gqa_cpu",
 "latent_triton"; ``NORM_CALLS`` rms_norm's), so
 tests can prove the decode routes use the kernels.
@@ -23,27 +27,19 @@ tests can prove the decode routes use the kernels.
 
 from __future__ import annotations
 
-import math
-from collections import Counter
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from kvlm.kernels import cpu
+from kvlm.kernels.shared import CALLS, FLOPS, MIN_SPLIT_KEYS, NORM_CALLS, split_count  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:
     from kvlm.cache.layer import BlockView
 
 MAX_NEW = 16  # new tokens per call the kernels take (decode, speculative verification); prefill goes to SDPA
-MIN_SPLIT_KEYS = (
-    512  # keys per split of the sequence axis at least: fewer cost more in merging than they save
-)
-CALLS: Counter[str] = Counter()
-NORM_CALLS: Counter[str] = Counter()  # rms_norm's calls, apart: CALLS counts attention over the cache
-# FLOPs the kernels ran (2 per multiply-add, scores and values, every visible key counted): torch's FLOP counter
-# does not see them, so kvlm.bench.flops.CountFlops adds this running total's increase
-FLOPS: Counter[str] = Counter()
+
 _FP8 = getattr(torch, "float8_e4m3fn", None)  # fp8 e4m3 codes, where this torch has the dtype
 _QUANT = tuple(t for t in (torch.int8, _FP8) if t is not None)  # 1-byte codes with a per-token scale
 _POOL_DTYPES = {
@@ -86,13 +82,16 @@ def _cpu_reason(q: torch.Tensor, n_new: int) -> str | None:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """RMSNorm of float32 CPU ``x`` over its last axis in one C++ pass (``F.rms_norm`` runs ~10 operators on
     CPU, the largest share of a decode step's small-operator time), or None where it does not apply: another
-    dtype or device, a tensor subclass (a tensor-parallel DTensor), autograd recording, kernels unavailable."""
+    dtype or device, a tensor subclass (a tensor-parallel DTensor), autograd recording, kernels unavailable, or
+    under torch.compile."""
     if x.dtype != torch.float32 or x.device.type != "cpu" or type(x) is not torch.Tensor:
         return None
     if type(weight.data) is not torch.Tensor or weight.dtype != torch.float32 or weight.device.type != "cpu":
         return None
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return None
+    if torch.compiler.is_compiling():
+        return None  # F.rms_norm, which the compiler fuses
     ext = cpu.extension()
     if ext is None:
         return None
@@ -136,18 +135,47 @@ def _same_pages(a: BlockView, b: BlockView) -> bool:
     )
 
 
+def _longest(view: BlockView) -> int:
+    """The longest sequence's keys: the cache's host value; else one read-back of the view."""
+    if view.longest is not None:
+        return view.longest
+    return int((view.end - view.start).max()) if view.end.numel() else 0
+
+
 def _splits(items: int, view: BlockView) -> int:
-    """Pieces of the key axis per (sequence, group): the fewest that make the work items a multiple of the
-    threads (batch 1 on 2 threads: 2 halves of the sequence; 3 KV heads on 2 threads: 6 items, not 2 + 1),
-    each at least MIN_SPLIT_KEYS long, else 1."""
-    threads = torch.get_num_threads()
-    want = threads // math.gcd(items, threads)
-    if want == 1:
-        return 1
-    longest = view.longest  # the cache's host value; else one read-back of the view
-    if longest is None:
-        longest = int((view.end - view.start).max()) if view.end.numel() else 0
-    return want if longest // want >= MIN_SPLIT_KEYS else 1
+    return split_count(items, lambda: _longest(view))
+
+
+def _run(
+    name: str,
+    flops: int,
+    items: int,
+    view: BlockView,
+    q,
+    q_rope,
+    k_pool,
+    k_scale,
+    v_pool,
+    v_scale,
+    kr_pool,
+    n_new: int,
+    scale: float,
+) -> torch.Tensor:
+    """The CPU kernel over ``view``'s pages: eagerly the extension itself, under torch.compile the custom
+    operator of kvlm.kernels.library (the same call, opaque to the compiler, its host work inside)."""
+    if torch.compiler.is_compiling():
+        from kvlm.kernels.library import decode_attention
+
+        return decode_attention(
+            q, q_rope, k_pool, k_scale, v_pool, v_scale, kr_pool, view.block_table, view.start, view.end,
+            view.page_size, n_new, scale, items, _longest(view), name, flops,
+        )  # fmt: skip
+    CALLS[name] += 1
+    FLOPS["total"] += flops
+    return cpu.extension().decode_attention(
+        q, q_rope, k_pool, k_scale, v_pool, v_scale, kr_pool, view.block_table, view.start, view.end,
+        view.page_size, n_new, scale, _splits(items, view),
+    )  # fmt: skip
 
 
 def _keys(view: BlockView) -> int:
@@ -214,12 +242,9 @@ def latent_decode(
     pool = c_kv.pool.unsqueeze(1)
     s = _scale(c_kv.scale)
     s = None if s is None else s.unsqueeze(1)
-    CALLS["latent_cpu"] += 1
-    FLOPS["total"] += 2 * H * T * _keys(c_kv) * (2 * Dc + (0 if q_rope is None else q_rope.shape[-1]))
-    out = cpu.extension().decode_attention(
-        q, qr, pool, s, pool, s, None if k_rope is None else k_rope.pool,
-        c_kv.block_table, c_kv.start, c_kv.end, c_kv.page_size, n_new, scale, _splits(B, c_kv),
-    )  # fmt: skip
+    flops = 2 * H * T * _keys(c_kv) * (2 * Dc + (0 if q_rope is None else q_rope.shape[-1]))
+    kr = None if k_rope is None else k_rope.pool
+    out = _run("latent_cpu", flops, B, c_kv, q, qr, pool, s, pool, s, kr, n_new, scale)
     return out.view(B, H, T, Dc)
 
 
@@ -254,12 +279,9 @@ def latent_block_decode(
     q = q_lat.reshape(B, G, R * T, D)
     qr = None if q_rope is None else q_rope.reshape(B, G, R * T, q_rope.shape[-1])
     s = _scale(c_kv.scale)
-    CALLS["latent_block_cpu"] += 1
-    FLOPS["total"] += 2 * G * R * T * _keys(c_kv) * (2 * D + (0 if q_rope is None else q_rope.shape[-1]))
-    out = cpu.extension().decode_attention(
-        q, qr, c_kv.pool, s, c_kv.pool, s, None if k_rope is None else k_rope.pool,
-        c_kv.block_table, c_kv.start, c_kv.end, c_kv.page_size, n_new, scale, _splits(B * G, c_kv),
-    )  # fmt: skip
+    flops = 2 * G * R * T * _keys(c_kv) * (2 * D + (0 if q_rope is None else q_rope.shape[-1]))
+    kr = None if k_rope is None else k_rope.pool
+    out = _run("latent_block_cpu", flops, B * G, c_kv, q, qr, c_kv.pool, s, c_kv.pool, s, kr, n_new, scale)
     return out.view(B, G, R, T, D)
 
 
@@ -290,14 +312,12 @@ def gqa_decode(
     if why is not None:
         return _unavailable(strict, why)
     G = k.pool.shape[1]
-    CALLS["gqa_cpu"] += 1
     dr = 0 if q_rope is None else q_rope.shape[-1]
-    FLOPS["total"] += 2 * Hq * T * _keys(k) * (D + dr + v.pool.shape[-1])
+    flops = 2 * Hq * T * _keys(k) * (D + dr + v.pool.shape[-1])
     qr = None if q_rope is None else q_rope.reshape(B, G, Hq // G * T, dr)
-    out = cpu.extension().decode_attention(
-        q.reshape(B, G, Hq // G * T, D), qr, k.pool, _scale(k.scale), v.pool, _scale(v.scale),
-        None if k_rope is None else k_rope.pool,
-        k.block_table, k.start, k.end, k.page_size, n_new, scale, _splits(B * G, k),
+    out = _run(
+        "gqa_cpu", flops, B * G, k, q.reshape(B, G, Hq // G * T, D), qr, k.pool, _scale(k.scale), v.pool,
+        _scale(v.scale), None if k_rope is None else k_rope.pool, n_new, scale,
     )  # fmt: skip
     return out.view(B, Hq, T, v.pool.shape[-1])
 

@@ -1,0 +1,31 @@
+"""What the kernels' dispatch (``kvlm.kernels``) and their custom operator (``kvlm.kernels.library``) share: the
+call and FLOP counters and the split of the key axis over the threads."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import torch
+
+MIN_SPLIT_KEYS = (
+    512  # keys per split of the sequence axis at least: fewer cost more in merging than they save
+)
+CALLS: Counter[str] = Counter()
+NORM_CALLS: Counter[str] = Counter()  # rms_norm's calls, apart: CALLS counts attention over the cache
+# FLOPs the kernels ran (2 per multiply-add, scores and values, every visible key counted): torch's FLOP counter
+# does not see them, so kvlm.bench.flops.CountFlops adds this running total's increase
+FLOPS: Counter[str] = Counter()
+
+
+def split_count(items: int, longest) -> int:
+    """Pieces of the key axis per (sequence, group): the fewest that make the work items a multiple of the
+    threads (batch 1 on 2 threads: 2 halves of the sequence; 3 KV heads on 2 threads: 6 items, not 2 + 1),
+    each at least MIN_SPLIT_KEYS long, else 1. ``longest``: the longest sequence's keys, or a function giving
+    it (called only when a split is possible)."""
+    threads = torch.get_num_threads()
+    want = threads // math.gcd(items, threads)
+    if want == 1:
+        return 1
+    n = longest() if callable(longest) else longest
+    return want if n // want >= MIN_SPLIT_KEYS else 1

@@ -1,0 +1,101 @@
+"""A decode step under torch.compile (issue 15, "a static decode step, optionally torch.compile'd"): the CPU kernels
+enter the graph as the custom operator ``kvlm::decode_attention`` (kvlm.kernels.library) instead of breaking it,
+packed weights give way to the plain product the compiler can lower, and the compiled step equals the eager one
+over growing cache lengths."""
+
+import pytest
+import torch
+from conftest import require_kernels, tiny_config
+
+from kvlm import build_model, kernels
+
+CASES = [
+    ("mha", {}, "gqa_cpu"),
+    ("gqa", dict(n_kv_head=2), "gqa_cpu"),
+    ("mla", dict(kv_lora_rank=48, rope_head_dim=8), "latent_cpu"),
+    ("mlra-2", dict(kv_lora_rank=48, rope_head_dim=8), "latent_block_cpu"),
+]
+
+
+def _model_and_cache(attention, extra, batch=2, cached=5):
+    torch.manual_seed(0)
+    cfg = tiny_config(attention, max_seq_len=32, **extra)
+    model = build_model(cfg).eval()
+    cache = model.new_cache(batch, 24)
+    cache.fill_random_(cached, cfg.vocab_size)
+    tok = torch.randint(0, cfg.vocab_size, (batch, 1))
+    return model, cache, tok
+
+
+def _ops_in_graphs(fn, *args) -> set:
+    """The call targets of every graph torch.compile captures running fn(*args) (no code generation)."""
+    targets = set()
+
+    def backend(gm, example_inputs):
+        targets.update(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=backend)(*args)
+    return targets
+
+
+@pytest.mark.parametrize("attention,extra,counter", CASES)
+def test_the_kernel_is_one_operator_of_the_graph(attention, extra, counter):
+    require_kernels()
+    model, cache, tok = _model_and_cache(attention, extra)
+    mode = "absorbed" if attention in ("mla", "mlra-2") else "auto"
+    with torch.inference_mode():
+        before = kernels.CALLS[counter]
+        targets = _ops_in_graphs(lambda t: model(t, cache=cache, mode=mode), tok)
+    assert torch.ops.kvlm.decode_attention.default in targets
+    assert (
+        kernels.CALLS[counter] - before == model.cfg.n_layer
+    )  # counted by the operator itself, once per layer
+
+
+def test_the_eager_step_does_not_go_through_the_dispatcher(monkeypatch):
+    """Eagerly the extension is called directly (the operator is for the compiler only)."""
+    require_kernels()
+    from kvlm.kernels import library
+
+    model, cache, tok = _model_and_cache("mha", {})
+    calls = []
+    monkeypatch.setattr(library, "decode_attention", lambda *a, **k: calls.append(1))
+    with torch.inference_mode():
+        model(tok, cache=cache)
+    assert not calls
+
+
+@pytest.mark.parametrize("attention,extra,counter", [CASES[0], CASES[2]])
+def test_compiled_decode_equals_eager_as_the_cache_grows(attention, extra, counter):
+    require_kernels()
+    model, cache, tok = _model_and_cache(attention, extra)
+    model.pack_for_decode(2)  # packed weights: the compiled step must take the plain product instead
+    mode = "absorbed" if attention == "mla" else "auto"
+    torch._dynamo.reset()
+    step = torch.compile(lambda t: model(t, cache=cache, mode=mode))
+    with torch.inference_mode():
+        for length in (5, 6, 9, 12):  # new lengths: the first compiles, the next with a dynamic length
+            cache.length = length
+            eager = model(tok, cache=cache, mode=mode)
+            cache.length = length
+            before = kernels.CALLS[counter]
+            compiled = step(tok)
+            assert kernels.CALLS[counter] - before == model.cfg.n_layer
+            torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("attention,extra,counter", [CASES[0], CASES[2]])
+def test_one_graph_break_per_step(attention, extra, counter):
+    """The layers trace into one graph: the only break is where the cache reads its left padding to the host
+    (once the extension is loaded: a first eager call here)."""
+    require_kernels()
+    model, cache, tok = _model_and_cache(attention, extra)
+    mode = "absorbed" if attention == "mla" else "auto"
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        model(tok, cache=cache, mode=mode)
+        cache.length = 5
+        explained = torch._dynamo.explain(lambda t: model(t, cache=cache, mode=mode))(tok)
+    assert explained.graph_break_count == 1, [str(b.reason)[:200] for b in explained.break_reasons]
