@@ -1,7 +1,7 @@
 """Weight GEMMs of a decode step at 1-16 rows: torch's F.linear, MKL's packed layout (what ``generate`` uses at
 batch 4-16) and an experimental few-row kernel on the plain weight (benchmarks/csrc/few_rows.cpp, not part of the
 package), interleaved in one process. Issue 15's "weight GEMMs at batch 1-8 read weights near bandwidth": this
-is the experiment behind benchmarks/decode-limit.md's section "Three passes, and what is left".
+is the experiment behind benchmarks/decode-limit.md's section "Three passes, a compiled step, and what is left".
 
     OMP_NUM_THREADS=2 python benchmarks/few_rows_gemm.py 1 2 4 8 16     # ~2 min after a ~1 min build
 
