@@ -32,6 +32,7 @@ def build():
     return load(
         name="kvlm_bench_few_rows",
         sources=[str(HERE / "csrc" / "few_rows.cpp")],
+        extra_include_paths=[str(HERE.parent / "kvlm" / "kernels" / "csrc")],
         extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp"],
         extra_ldflags=["-fopenmp"],
     )

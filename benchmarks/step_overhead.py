@@ -66,7 +66,8 @@ def _interleaved(calls: dict, reps: int) -> dict:
     return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
 
 
-def one(spec: str, batch: int, shape: dict, hw: dict, reps: int) -> dict:
+def short_step(spec: str, batch: int, shape: dict):
+    """(cfg, model ready for inference, its decode mode, a cache holding 1 token, next tokens) for ``spec``."""
     _, cfg = parse_variant(spec, shape)
     cfg = cfg.replace(max_seq_len=64)
     torch.manual_seed(0)
@@ -74,7 +75,11 @@ def one(spec: str, batch: int, shape: dict, hw: dict, reps: int) -> dict:
     mode = "absorbed" if spec.startswith("mla") else "auto"
     cache = model.new_cache(batch, 32)
     cache.fill_random_(1, cfg.vocab_size)
-    tok = torch.randint(0, cfg.vocab_size, (batch, 1))
+    return cfg, model, mode, cache, torch.randint(0, cfg.vocab_size, (batch, 1))
+
+
+def one(spec: str, batch: int, shape: dict, hw: dict, reps: int) -> dict:
+    cfg, model, mode, cache, tok = short_step(spec, batch, shape)
     x = torch.randn(batch, 1, cfg.d_model)
     packs = packs_for(model, batch)
     grouped = [m for m in model.modules() if hasattr(m, "group_outputs")]

@@ -20,28 +20,16 @@ import statistics
 import time
 
 import torch
+from step_overhead import QUICK, SHAPE, VARIANTS, VARIANTS_QUICK, short_step  # this folder
 from torch.profiler import ProfilerActivity, profile
 
-from kvlm.bench.plan import parse_variant
 from kvlm.inference.generation import packs_for
-from kvlm.model import build_model
 
-SHAPE = dict(n_layer=6, d_model=768, n_head=12, vocab_size=32000, ffn_dim=2048)
-QUICK = dict(n_layer=2, d_model=64, n_head=4, vocab_size=256, ffn_dim=128)
-VARIANTS = ["mha", "gqa:n_kv_head=3", "mla:kv_lora_rank=256:rope_head_dim=32"]
-VARIANTS_QUICK = ["mha", "gqa:n_kv_head=2", "mla:kv_lora_rank=32:rope_head_dim=8"]
 GEMMS = {"aten::mm", "aten::addmm", "aten::bmm", "mkl::_mkl_linear", "mkldnn::_linear_pointwise"}
 
 
 def profile_step(spec: str, batch: int, shape: dict) -> dict:
-    _, cfg = parse_variant(spec, shape)
-    cfg = cfg.replace(max_seq_len=64)
-    torch.manual_seed(0)
-    model = build_model(cfg).eval().prepare_for_inference()
-    mode = "absorbed" if spec.startswith("mla") else "auto"
-    cache = model.new_cache(batch, 32)
-    cache.fill_random_(1, cfg.vocab_size)
-    tok = torch.randint(0, cfg.vocab_size, (batch, 1))
+    _, model, mode, cache, tok = short_step(spec, batch, shape)
     if packs_for(model, batch):
         model.pack_for_decode(batch)
 

@@ -3,39 +3,18 @@
 // numbers on benchmarks/decode-limit.md can be re-run.
 //
 // Dot-product form, no repacking: for RB rows of x (8, 4, 2 or 1) and NB = 16 / RB weight rows, 16 AVX-512
-// accumulators run over K, then one tree of shuffles turns them into the 16 sums (decode_avx512.h's tree16).
+// accumulators run over K, then one tree of shuffles turns them into the 16 sums (decode_avx512.h's tree16,
+// included from the package's sources).
 // Weight rows are split over the threads in blocks of 16; each weight block is read from memory once and from
 // L1 by the further row blocks. `pfd` > 0: software prefetch of every weight row pfd bytes ahead into L1
 // (< 0: -pfd bytes ahead into L2); `max_rb` caps the row block.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/utils/pybind.h>
-#include <immintrin.h>
+#include "decode_core.h"  // kvlm/kernels/csrc: avx512::tree16, the kernels' shuffle tree
 #include <algorithm>
 
 namespace {
-inline __m512 tree16(const __m512 (&a)[16]) {
-  static constexpr int rev[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
-  const __m512i lo1 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
-  const __m512i hi1 = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  const __m512i lo2 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
-  const __m512i hi2 = _mm512_setr_epi32(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
-  const __m512i lo3 = _mm512_setr_epi32(0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
-  const __m512i hi3 = _mm512_setr_epi32(2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-  const __m512i lo4 = _mm512_setr_epi32(0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
-  const __m512i hi4 = _mm512_setr_epi32(1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-  __m512 u[8], w[4], z[2];
-  for (int i = 0; i < 8; ++i) {
-    const __m512 x = a[rev[2 * i]], y = a[rev[2 * i + 1]];
-    u[i] = _mm512_add_ps(_mm512_permutex2var_ps(x, lo1, y), _mm512_permutex2var_ps(x, hi1, y));
-  }
-  for (int i = 0; i < 4; ++i)
-    w[i] = _mm512_add_ps(_mm512_permutex2var_ps(u[2 * i], lo2, u[2 * i + 1]), _mm512_permutex2var_ps(u[2 * i], hi2, u[2 * i + 1]));
-  for (int i = 0; i < 2; ++i)
-    z[i] = _mm512_add_ps(_mm512_permutex2var_ps(w[2 * i], lo3, w[2 * i + 1]), _mm512_permutex2var_ps(w[2 * i], hi3, w[2 * i + 1]));
-  return _mm512_add_ps(_mm512_permutex2var_ps(z[0], lo4, z[1]), _mm512_permutex2var_ps(z[0], hi4, z[1]));
-}
-
 // y[x][n0 + j] for RB rows x, NB = 16 / RB weight rows
 template <int RB>
 inline void block(const float* x, int64_t xs, const float* w, int64_t K, float* y, int64_t ys, int64_t n0, int nb, int64_t pfd) {
@@ -65,7 +44,7 @@ inline void block(const float* x, int64_t xs, const float* w, int64_t K, float* 
     }
   }
   alignas(64) float s[16];
-  _mm512_store_ps(s, tree16(a));
+  _mm512_store_ps(s, kvlm_decode::avx512::tree16(a));
   for (int r = 0; r < RB; ++r)
     for (int j = 0; j < nb; ++j) y[r * ys + n0 + j] = s[r * NB + j];
 }
