@@ -1,8 +1,7 @@
 """A compiled decode step against the eager one (issue 15, "a static decode step, optionally torch.compile'd"):
 ``torch.compile`` of ``model(tok, cache=cache)`` at the bench reference shape, the CPU kernels entering the graph
 as the custom operator ``kvlm::decode_attention`` (kvlm.kernels.library), against the eager step as ``generate``
-runs it (weights packed for MKL at batch 4-16; the compiled step takes the plain product, which the compiler can
-lower). The cache length grows by one every step, as in decoding: the first calls compile (a static length, then
+runs it (weights packed for MKL at batch 4-16; the compiled step runs those products as ``kvlm::packed_linear``). The cache length grows by one every step, as in decoding: the first calls compile (a static length, then
 a dynamic one), and the timed rounds alternate eager and compiled steps.
 
     OMP_NUM_THREADS=2 python benchmarks/step_compiled.py            # ~6 min on 2 cores (compiling: 25-50 s a case)

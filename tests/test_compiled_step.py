@@ -1,13 +1,14 @@
 """A decode step under torch.compile (issue 15, "a static decode step, optionally torch.compile'd"): the CPU kernels
 enter the graph as the custom operator ``kvlm::decode_attention`` (kvlm.kernels.library) instead of breaking it,
-packed weights give way to the plain product the compiler can lower, and the compiled step equals the eager one
-over growing cache lengths."""
+the products on packed weights as ``kvlm::packed_linear`` (which finds the packed copies when it runs), and the
+compiled step equals the eager one over growing cache lengths."""
 
 import pytest
 import torch
 from conftest import require_kernels, tiny_config
 
 from kvlm import build_model, kernels
+from kvlm.attention.linear import packing_available
 
 CASES = [
     ("mha", {}, "gqa_cpu"),
@@ -71,7 +72,7 @@ def test_the_eager_step_does_not_go_through_the_dispatcher(monkeypatch):
 def test_compiled_decode_equals_eager_as_the_cache_grows(attention, extra, counter):
     require_kernels()
     model, cache, tok = _model_and_cache(attention, extra)
-    model.pack_for_decode(2)  # packed weights: the compiled step must take the plain product instead
+    model.pack_for_decode(2)  # packed weights: the compiled step runs them through kvlm::packed_linear
     mode = "absorbed" if attention == "mla" else "auto"
     torch._dynamo.reset()
     step = torch.compile(lambda t: model(t, cache=cache, mode=mode))
@@ -99,3 +100,57 @@ def test_one_graph_break_per_step(attention, extra, counter):
         cache.length = 5
         explained = torch._dynamo.explain(lambda t: model(t, cache=cache, mode=mode))(tok)
     assert explained.graph_break_count == 1, [str(b.reason)[:200] for b in explained.break_reasons]
+
+
+def _count_packed_products(monkeypatch) -> list:
+    from kvlm.attention import linear
+
+    calls, real = [], linear._packed_product
+    monkeypatch.setattr(linear, "_packed_product", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+@pytest.mark.parametrize("attention,extra", [("mha", {}), ("mla", dict(kv_lora_rank=48, rope_head_dim=8))])
+def test_the_compiled_step_keeps_the_packed_products(attention, extra, monkeypatch):
+    """Every product the eager step runs on packed weights, the compiled one runs there too (through the operator
+    in its graph), with the same logits."""
+    if not packing_available(4):
+        pytest.skip("this torch build has no MKL packed GEMM")
+    model, cache, tok = _model_and_cache(attention, extra, batch=4)
+    assert model.pack_for_decode(4) > 0
+    calls = _count_packed_products(monkeypatch)
+    torch._dynamo.reset()
+    step = torch.compile(lambda t: model(t, cache=cache))
+    with torch.inference_mode():
+        for length in (5, 6, 9):
+            cache.length = length
+            del calls[:]
+            eager = model(tok, cache=cache)
+            n_eager = len(calls)
+            cache.length = length
+            del calls[:]
+            compiled = step(tok)
+            assert n_eager > 0 and len(calls) == n_eager
+            torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+        targets = _ops_in_graphs(lambda t: model(t, cache=cache), tok)
+    assert torch.ops.kvlm.packed_linear.default in targets
+
+
+def test_a_weight_written_after_packing_is_read_by_the_compiled_step_too():
+    """The packed copy goes stale when its weight is written: the operator then takes the plain product (else the
+    compiled step would decode with the old weights)."""
+    if not packing_available(4):
+        pytest.skip("this torch build has no MKL packed GEMM")
+    model, cache, tok = _model_and_cache("gqa", dict(n_kv_head=2), batch=4)
+    model.pack_for_decode(4)
+    torch._dynamo.reset()
+    step = torch.compile(lambda t: model(t, cache=cache))
+    with torch.no_grad():
+        cache.length = 5
+        step(tok)  # compiled against the packed weights
+        model.lm_head.weight.mul_(-2)
+        model.layers[0].mlp.w1.weight.add_(0.5)
+        cache.length = 5
+        eager = model(tok, cache=cache)
+        cache.length = 5
+        torch.testing.assert_close(step(tok), eager, rtol=1e-5, atol=1e-5)

@@ -14,8 +14,9 @@ casts or any write to the weight):
   machine, the reference shape's weights at 1 thread (CPU time, the machine shared): 8 / 16 / 32 rows 51 / 61 /
   101 ms against 104 / 96 / 149 ms unpacked and 41 / 50 / 89 ms for MKL's layout packed for exactly that count.
 
-Under ``torch.compile`` neither packed layout is used (the compiler cannot lower the libraries' packed products):
-the plain product runs, which the compiler can.
+Under ``torch.compile`` the packed products run as the custom operator ``kvlm::packed_linear``
+(``kvlm.kernels.library``): the graph holds the plain weights, and the operator finds the packed copy made of them
+when it runs (the compiler can neither lower the libraries' packed products nor take a packed copy as an input).
 
 Unpacked, 4-16 rows run as W x^T, which MKL streams faster than x W^T (the 32000 x 768 LM head at batch 8: 12.4 ms
 against 25.6 ms; the 768 x 2048 FFN down-projection 1.0 against 3.0 ms). Below ``min_rows`` (4) rows F.linear
@@ -30,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import register_flop_formula
+
+from kvlm.kernels.library import packed_linear, register_packed
 
 ANY_ROWS = "any"  # pack_for_decode(ANY_ROWS): one layout for products of any number of rows (oneDNN)
 
@@ -96,6 +99,7 @@ class Linear(nn.Linear):
         if self._packed is None or self._packed[0] != key:
             with torch.no_grad():
                 self._packed = (key, _reorder(w.detach(), rows))
+            register_packed([w], self)  # what a compiled step's kvlm::packed_linear finds
         return True
 
     def unpack(self) -> None:
@@ -120,13 +124,22 @@ class Linear(nn.Linear):
             return None  # the packed product has no backward through the packed weight
         return _packed_product(x, packed, w, self.bias, rows)
 
+    def packed_outputs(self, weights: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor | None:
+        """x W^T + b through the packed copy (``kvlm::packed_linear``), or None where it does not serve."""
+        if self._packed is None or len(weights) != 1 or weights[0].shape != self.weight.shape:
+            return None
+        return self._packed_for(x, x.numel() // x.shape[-1] if x.numel() else 0)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.numel() else 0
-        # compiled: the plain product (the compiler cannot lower MKL's packed one; its weight is no graph input)
-        if self._packed is not None and x.device.type == "cpu" and not torch.compiler.is_compiling():
-            y = self._packed_for(x, rows)
-            if y is not None:
-                return y
+        if self._packed is not None and x.device.type == "cpu":
+            if torch.compiler.is_compiling():
+                if not torch.is_grad_enabled():  # the operator has no backward
+                    return packed_linear(x, [self.weight], [self.bias])
+            else:
+                y = self._packed_for(x, rows)
+                if y is not None:
+                    return y
         if rows < self.min_rows or rows > self.small_rows or x.device.type != "cpu":
             return F.linear(x, self.weight, self.bias)
         y = torch.mm(self.weight, x.reshape(rows, -1).t()).t()
@@ -158,6 +171,15 @@ if hasattr(torch.ops.mkldnn, "_linear_pointwise"):
     _register_flops(torch.ops.mkldnn._linear_pointwise, _pointwise_linear_flops)
 
 
+def _group_linear_flops(input_shape, weights_shape, *args, out_shape=None, **kwargs) -> int:
+    """FLOPs of ``kvlm::packed_linear``, as of the matmuls it replaces."""
+    return 2 * math.prod(input_shape[:-1]) * input_shape[-1] * sum(s[0] for s in weights_shape)
+
+
+if hasattr(torch.ops, "kvlm") and hasattr(torch.ops.kvlm, "packed_linear"):
+    _register_flops(torch.ops.kvlm.packed_linear, _group_linear_flops)
+
+
 class PackedGroup:
     """Linears that read the same input (q/k/v, SwiGLU's gate and up), packed at decode as one GEMM
     [W_1; ...; W_n] for products of ``rows`` rows (as ``Linear.pack_for_decode``): one weight stream and one call
@@ -168,7 +190,7 @@ class PackedGroup:
 
     def __init__(self, linears: list[Linear], rows: int | str):
         ws = [m.weight for m in linears]
-        self.key = self._key(linears, rows)
+        self.key = self._key(ws, rows)
         self.rows = rows
         self.sizes = [w.shape[0] for w in ws]
         with torch.no_grad():
@@ -184,10 +206,11 @@ class PackedGroup:
         # MKL reads only the packed copy at ``rows`` rows; the op takes the unpacked weight for its shape, so a
         # zero-stride stand-in keeps the group from holding a third copy of the weights
         self.shape_weight = w.new_zeros(()).expand(w.shape)
+        register_packed(ws, self)  # what a compiled step's kvlm::packed_linear finds
 
     @staticmethod
-    def _key(linears: list[Linear], rows: int | str) -> tuple:
-        return tuple((m.weight.data_ptr(), _version(m.weight)) for m in linears) + (rows,)
+    def _key(weights: list[torch.Tensor], rows: int | str) -> tuple:
+        return tuple((w.data_ptr(), _version(w)) for w in weights) + (rows,)
 
     @staticmethod
     def build(linears: list[Linear], rows: int | str | None) -> PackedGroup | None:
@@ -200,15 +223,19 @@ class PackedGroup:
         return PackedGroup(linears, rows)
 
     def outputs(self, linears: list[Linear], x: torch.Tensor) -> list[torch.Tensor] | None:
+        y = self.packed_outputs([m.weight for m in linears], x)
+        return None if y is None else list(y.split(self.sizes, dim=-1))
+
+    def packed_outputs(self, weights: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor | None:
+        """The outputs concatenated (``kvlm::packed_linear``), or None where the packed copy does not serve."""
         n = x.numel() // x.shape[-1] if x.numel() else 0
         if not _applies(self.rows, n) or x.dtype != torch.float32 or x.device.type != "cpu":
             return None
-        if torch.is_grad_enabled() and (x.requires_grad or any(m.weight.requires_grad for m in linears)):
+        if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
             return None
-        if self._key(linears, self.rows) != self.key:
+        if self._key(weights, self.rows) != self.key:
             return None  # a weight was written or replaced since packing: the unfused path is exact
-        y = _packed_product(x, self.packed, self.shape_weight, self.bias, self.rows)
-        return list(y.split(self.sizes, dim=-1))
+        return _packed_product(x, self.packed, self.shape_weight, self.bias, self.rows)
 
 
 class GroupPacking(nn.Module):
@@ -234,9 +261,15 @@ class GroupPacking(nn.Module):
         """The outputs of the Linears ``names`` on x through their packed group, or None (not packed for this
         call: the caller runs them one by one, which gives the same values)."""
         group = self.__dict__.get("_decode_groups", {}).get(names)
-        if group is None or torch.compiler.is_compiling():  # compiled: one by one, as Linear.forward
+        if group is None:
             return None
-        return group.outputs([getattr(self, n) for n in names], x)
+        linears = [getattr(self, n) for n in names]
+        if not torch.compiler.is_compiling():
+            return group.outputs(linears, x)
+        if x.device.type != "cpu" or torch.is_grad_enabled():  # the operator has no backward
+            return None
+        y = packed_linear(x, [m.weight for m in linears], [m.bias for m in linears])
+        return list(y.split(group.sizes, dim=-1))
 
     def train(self, mode: bool = True):
         if mode:

@@ -87,6 +87,18 @@ def rms_norm(*args, **kwargs):
     return None
 
 
+def register_packed(*args, **kwargs):
+    pass
+
+
+def packed_linear(x, weights, biases):
+    import torch
+    import torch.nn.functional as F
+
+    ys = [F.linear(x, w, b) for w, b in zip(weights, biases)]
+    return ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+
+
 kernels = SimpleNamespace(
     CALLS=CALLS, FLOPS=FLOPS, MAX_NEW=MAX_NEW, KernelUnavailable=KernelUnavailable, ready=ready,
     latent_decode=latent_decode, gqa_decode=gqa_decode, rms_norm=rms_norm,
