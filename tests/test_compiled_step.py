@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import require_kernels, tiny_config
 
-from kvlm import build_model, kernels
+from kvlm import build_model, generate, kernels
 from kvlm.attention.linear import packing_available
 
 CASES = [
@@ -154,3 +154,34 @@ def test_a_weight_written_after_packing_is_read_by_the_compiled_step_too():
         eager = model(tok, cache=cache)
         cache.length = 5
         torch.testing.assert_close(step(tok), eager, rtol=1e-5, atol=1e-5)
+
+
+def test_generate_compiled_gives_the_eager_tokens_and_times_compiling_apart():
+    """generate(compile=True): the same greedy tokens as eager decoding (left padding, packed weights at batch 4);
+    the steps that compiled are timed as compile_s, not as decode."""
+    require_kernels()
+    torch.manual_seed(0)
+    cfg = tiny_config("mla", kv_lora_rank=48, rope_head_dim=8, max_seq_len=64)
+    model = build_model(cfg).eval()
+    prompts = [torch.randint(0, cfg.vocab_size, (n,)).tolist() for n in (5, 3, 7, 4)]
+    torch._dynamo.reset()
+    eager, eager_stats = generate(model, prompts, 20, return_stats=True, pack_weights=True)
+    compiled, stats = generate(model, prompts, 20, return_stats=True, pack_weights=True, compile=True)
+    assert compiled == eager
+    assert eager_stats["compile_s"] == 0 and stats["compile_s"] > 0
+    assert 0 < stats["decode_tokens"] < eager_stats["decode_tokens"] == 4 * 19
+    again, stats = generate(model, prompts, 20, return_stats=True, pack_weights=True, compile=True)
+    assert again == eager and stats["compile_s"] == 0  # compiled once for this model class and batch
+
+
+def test_generate_compiled_names_a_compiler_failure(monkeypatch):
+    from kvlm.inference import generation
+
+    def no_compiler(gm, example_inputs):
+        raise RuntimeError("no C++ compiler")
+
+    model = build_model(tiny_config("mha"))
+    torch._dynamo.reset()
+    monkeypatch.setitem(generation._COMPILED, type(model), torch.compile(type(model).forward, backend=no_compiler))
+    with pytest.raises(RuntimeError, match="compile=True.*Generate without compile"):
+        generate(model, [1, 2, 3], 4, compile=True)

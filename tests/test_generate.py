@@ -275,3 +275,16 @@ def test_public_name_is_the_function():
     from kvlm import generate as g
 
     assert kvlm.generate is generate and g is generate
+
+
+def test_cli_generate_compiled_prints_the_eager_tokens(checkpoint, capsys):
+    from kvlm.checkpoint import load_checkpoint
+
+    torch._dynamo.reset()
+    args = ["generate", str(checkpoint), "--prompt", "The cat", "--max-new-tokens", "8", "--no-stop", "--json"]
+    rc, out, err = _cli(args + ["--compile"], capsys)
+    assert rc == 0
+    res = json.loads(out.strip().splitlines()[-1])
+    model, tok, _ = load_checkpoint(checkpoint)
+    assert res["token_ids"] == [generate(model, tok.encode("The cat"), 8)]
+    assert res["compile_s"] > 0 and "compiling" in err

@@ -32,6 +32,8 @@ def add_arguments(p) -> None:
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="default: bfloat16 on cuda, float32 on cpu")  # fmt: skip
+    p.add_argument("--compile", action="store_true",
+                   help="decode through torch.compile: faster steps after tens of seconds of compiling (long outputs)")  # fmt: skip
     p.add_argument("--json", action="store_true", help="no streaming; the last stdout line is a JSON object")
     p.add_argument("--tp", type=positive_int, default=1,
                    help="tensor-parallel degree N, under `torchrun --nproc-per-node N -m kvlm.cli generate ...` "
@@ -89,6 +91,7 @@ def main(args) -> int:
             callback=on_step if stream else None,
             mode=args.mode,
             return_stats=True,
+            compile=args.compile,
         )
     except BrokenPipeError:  # stdout closed early (`kvlm generate ... | head`): stop quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -102,7 +105,8 @@ def main(args) -> int:
     tps = stats["decode_tokens_per_s"]
     print(
         f"prefill {stats['prefill_tokens']} tokens in {stats['prefill_s'] * 1e3:.1f} ms; "
-        f"decode {stats['decode_tokens']} tokens" + (f" at {tps:.1f} tokens/s" if tps else ""),
+        f"decode {stats['decode_tokens']} tokens" + (f" at {tps:.1f} tokens/s" if tps else "")
+        + (f"; compiling {stats['compile_s']:.1f} s" if stats["compile_s"] else ""),
         file=sys.stderr,
     )
     if args.json:

@@ -44,6 +44,7 @@ def generate(
     mode: str = "auto",
     return_stats: bool = False,
     pack_weights: bool | None = None,
+    compile: bool = False,
 ):
     """Generate up to ``max_new_tokens`` tokens after each prompt.
 
@@ -60,6 +61,13 @@ def generate(
     CPU float32 only; a second copy of the weights while it runs). None: when batch 4-16 and at least
     ``PACK_MIN_STEPS`` decode steps on CPU float32 (below 4 rows an unpacked product streams as fast).
     Weights the caller packed for this batch beforehand are used and kept.
+    compile: run the decode steps through ``torch.compile`` (the prefill stays eager): kvlm's CPU kernels and
+    packed products enter its graph as custom operators (``kvlm.kernels.library``), so a step loses most of its
+    Python and dispatch time. Compiling takes seconds to a minute, once per model class and batch (the first
+    two steps: a fixed cache length, then a dynamic one); ``stats["compile_s"]`` is the time of the steps that
+    compiled, left out of decode_s and decode_tokens. Worth it for long generations: on this project's 2-core
+    machine a step at the bench reference shape ran 1.2x faster at batch 1 for GQA and MLA, 1.0-1.05x at batch
+    8 (benchmarks/step_compiled.py).
     """
     single, prompts = _as_prompts(prompt_ids)
     vocab = model.cfg.vocab_size
@@ -89,6 +97,7 @@ def generate(
         "prefill_tokens": sum(len(p) for p in prompts),
         "decode_s": 0.0,
         "decode_tokens": 0,
+        "compile_s": 0.0,
     }
     stops = StopTracker(B, stop_tokens)
     if max_new_tokens == 0:
@@ -112,6 +121,7 @@ def generate(
     # train(True) below drops them again
     model.eval().prepare_for_inference()
     packed_here = _pack(model, B, max_new_tokens, pack_weights)
+    decode_call = _compiled_forward(model) if compile else None
     try:
         with torch.inference_mode():
             t0 = _now(device)
@@ -128,10 +138,18 @@ def generate(
                     callback(emitted)
                 if stops.all_done or step == max_new_tokens - 1:
                     break
-                logits = model(nxt[:, None], cache=cache, mode=mode)[:, -1]
-                stats["decode_tokens"] += stops.active
+                if decode_call is None:
+                    logits = model(nxt[:, None], cache=cache, mode=mode)[:, -1]
+                    stats["decode_tokens"] += stops.active
+                else:
+                    graphs, t_step = _graphs_compiled(), _now(device)
+                    logits = _run_compiled(decode_call, model, nxt[:, None], cache, mode)[:, -1]
+                    if _graphs_compiled() != graphs:
+                        stats["compile_s"] += _now(device) - t_step
+                    else:
+                        stats["decode_tokens"] += stops.active
                 nxt = sample(logits, temperature, top_k, top_p, gen)
-            stats["decode_s"] = _now(device) - t0
+            stats["decode_s"] = _now(device) - t0 - stats["compile_s"]
     finally:
         if packed_here:
             model.pack_for_decode(None)
@@ -168,6 +186,32 @@ def _pack(model, batch: int, max_new_tokens: int, pack_weights: bool | None) -> 
     if model.lm_head._packed is not None:
         return False  # packed already (for this batch, or for any rows by a serving engine): leave it as it is
     return model.pack_for_decode(batch) > 0
+
+
+_COMPILED: dict[type, Callable] = {}  # per model class: torch.compile's cache then holds one entry per batch size
+
+
+def _compiled_forward(model) -> Callable:
+    forward = _COMPILED.get(type(model))
+    if forward is None:
+        forward = _COMPILED[type(model)] = torch.compile(type(model).forward)
+    return forward
+
+
+def _graphs_compiled() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def _run_compiled(forward, model, tokens, cache, mode):
+    try:
+        return forward(model, tokens, cache=cache, mode=mode)
+    except torch._dynamo.exc.BackendCompilerFailed as e:
+        raise RuntimeError(
+            f"generate(compile=True): torch.compile could not build the decode step ({str(e).splitlines()[0]}); "
+            "on CPU its Inductor backend needs a C++ compiler. Generate without compile."
+        ) from e
 
 
 def _as_prompts(prompt_ids) -> tuple[bool, list[list[int]]]:
