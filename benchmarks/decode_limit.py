@@ -1,7 +1,7 @@
 """Decode at the hardware limit (issue 15): ms per decode step against the per-operation floor, kvlm with its
 CPU kernels, kvlm's plain PyTorch path (KVLM_KERNELS=0) and transformers' peers, in one run.
 
-    python benchmarks/decode_limit.py                 # the full run, 3 passes (~20-25 min on 2 quiet cores)
+    python benchmarks/decode_limit.py                 # the full run, 3 passes (~25-30 min on 2 quiet cores)
     python benchmarks/decode_limit.py --quick         # a toy shape: checks the script, numbers mean nothing
 
 Writes benchmarks/decode-limit.md (tables) and benchmarks/decode-limit.json (every row). Rows:
@@ -9,7 +9,8 @@ Writes benchmarks/decode-limit.md (tables) and benchmarks/decode-limit.json (eve
 - batch 8 / 4096 cached tokens and batch 1 / 8192, 2 threads: MHA, GQA-3, MLA absorbed and naive
   (d_c 256, d_h^R 32), kernels on and off, peers (Llama for MHA/GQA, DeepseekV3 for MLA) at batch 8 / 4096;
 - batch 1 / 8192 at 1 thread (does batch-1 decode use both cores?);
-- T = 4 new tokens against T = 1 for absorbed MLA at 4096 cached tokens (speculative verification).
+- T = 4 new tokens against T = 1 for absorbed MLA at 4096 cached tokens (speculative verification);
+- after the passes, the step compiled (``generate(compile=True)``) against the eager one at both sizes.
 
 The step rows are measured in ``--passes`` passes (default 3), the configurations in a rotated order in each
 pass (the transformers peers in the first only): on a shared machine other tenants only ever slow a
@@ -194,6 +195,29 @@ def weights_packed(threads, quick):
     return out
 
 
+def compiled_steps(rows: list[dict], sizes: list[tuple[int, int]], quick: bool) -> list[dict]:
+    """The decode step compiled (``generate(compile=True)``) against the eager one, timed interleaved in one
+    process (benchmarks/step_compiled.py), 2 threads, kernels on; each against the floor of its step row above."""
+    import step_compiled
+
+    os.environ["KVLM_KERNELS"] = "1"
+    torch.set_num_threads(2)
+    out = []
+    for b, c in sizes:
+        for spec in (["mha", "gqa:n_kv_head=2", MLA_QUICK] if quick else VARIANTS):
+            print(f"compiled step: {spec}, batch {b}, context {c}", flush=True)
+            r = step_compiled.case(spec, b, c, QUICK if quick else SHAPE, 3 if quick else 10)
+            route = "absorbed" if spec.startswith("mla") else "plain"
+            row = next(
+                x for x in rows
+                if (x["impl"], x["variant"], x["route"], x["batch"], x["context"], x["threads"], x["kernels"])
+                == ("kvlm", spec, route, b, c, 2, True)
+            )  # fmt: skip
+            floor = sum(o["floor_ms"] for o in row["operations"].values())
+            out.append({"variant": spec, "route": route, "batch": b, "context": c, "floor_ms": floor, **r})
+    return out
+
+
 def steal_s() -> float | None:
     """Seconds of CPU time the host has taken from this VM so far (all CPUs), None where /proc/stat has none."""
     try:
@@ -296,6 +320,7 @@ def main() -> None:
         passes.append(runs)
     runs = passes[0]
     rows = [row for i in range(len(configs)) for row in combine([p[i] for p in passes])]
+    comp = compiled_steps(rows, [big, long], q)
     lines = [
         "# Decode at the hardware limit (issue 15)",
         "",
@@ -323,6 +348,21 @@ def main() -> None:
         "",
         HEAD,
         *[row_line(r) for r in rows],
+        "",
+        "The step compiled (`generate(compile=True)`: `torch.compile`, the kernels and packed products as custom "
+        "operators), 2 threads, kernels on, against the eager step (as in the rows above), the two timed "
+        "interleaved in one process after the passes (medians of 10 rounds, the cache growing a token a step); "
+        "x floor against the floor of the row above:",
+        "",
+        "| variant | route | batch | context | eager ms | compiled ms | eager / compiled | compiled x floor | "
+        "eager x floor | compile s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *[
+            f"| {r['variant']} | {r['route']} | {r['batch']} | {r['context']} | {r['eager']:.1f} | "
+            f"{r['compiled']:.1f} | {r['eager'] / r['compiled']:.2f} | {r['compiled'] / r['floor_ms']:.2f} | "
+            f"{r['eager'] / r['floor_ms']:.2f} | {r['compile_s']:.0f} |"
+            for r in comp
+        ],
         "",
         f"Multi-token decode (speculative verification), MLA, {64 if q else 4096} cached tokens, 2 threads, ms "
         "per call with the logits of every new position, weights packed for the call's rows (route taken in "
@@ -358,7 +398,8 @@ def main() -> None:
     Path(args.out + ".md").write_text("\n".join(lines) + "\n")
     Path(args.out + ".json").write_text(
         json.dumps(
-            {"rows": rows, "passes": passes, "steal_s": steal, "multi_token_ms": mt, "weights_packed_ms": wp},
+            {"rows": rows, "passes": passes, "steal_s": steal, "multi_token_ms": mt, "weights_packed_ms": wp,
+             "compiled": comp},
             indent=1,
             default=str,
         )
