@@ -65,7 +65,9 @@ def generate(
     packed products enter its graph as custom operators (``kvlm.kernels.library``), so a step loses most of its
     Python and dispatch time. Compiling takes seconds to a minute, once per model class and batch (the first
     two steps: a fixed cache length, then a dynamic one); ``stats["compile_s"]`` is the time of the steps that
-    compiled, left out of decode_s and decode_tokens. Worth it for long generations: on this project's 2-core
+    compiled, left out of decode_s and decode_tokens. torch keeps at most ``torch._dynamo.config.recompile_limit``
+    (8) compiled versions of the forward per process (a model configuration or batch size takes one or two):
+    past it the steps run eager, with torch's warning, and compile_s stays 0. Worth it for long generations: on this project's 2-core
     machine a step at the bench reference shape ran 1.2x faster at batch 1 for GQA and MLA, 1.0-1.05x at batch
     8 (benchmarks/step_compiled.py).
     """
