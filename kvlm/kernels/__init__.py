@@ -135,15 +135,8 @@ def _same_pages(a: BlockView, b: BlockView) -> bool:
     )
 
 
-def _longest(view: BlockView) -> int:
-    """The longest sequence's keys: the cache's host value; else one read-back of the view."""
-    if view.longest is not None:
-        return view.longest
-    return int((view.end - view.start).max()) if view.end.numel() else 0
-
-
 def _splits(items: int, view: BlockView) -> int:
-    return split_count(items, lambda: _longest(view))
+    return split_count(items, view.longest, view.start, view.end)
 
 
 def _run(
@@ -168,7 +161,7 @@ def _run(
 
         return decode_attention(
             q, q_rope, k_pool, k_scale, v_pool, v_scale, kr_pool, view.block_table, view.start, view.end,
-            view.page_size, n_new, scale, items, _longest(view), name, flops,
+            view.page_size, n_new, scale, items, view.longest, name, flops,
         )  # fmt: skip
     CALLS[name] += 1
     FLOPS["total"] += flops

@@ -39,7 +39,7 @@ def decode_attention(
     n_new: int,
     scale: float,
     items: int,
-    longest: int,
+    longest: int | None,
     name: str,
     flops: int,
 ) -> torch.Tensor:
@@ -49,7 +49,7 @@ def decode_attention(
     FLOPS["total"] += flops
     return extension().decode_attention(
         q, q_rope, k_pool, k_scale, v_pool, v_scale, kr_pool, block_table, start, end, page_size, n_new, scale,
-        split_count(items, longest),
+        split_count(items, longest, start, end),
     )  # fmt: skip
 
 

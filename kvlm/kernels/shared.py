@@ -18,14 +18,15 @@ NORM_CALLS: Counter[str] = Counter()  # rms_norm's calls, apart: CALLS counts at
 FLOPS: Counter[str] = Counter()
 
 
-def split_count(items: int, longest) -> int:
+def split_count(items: int, longest: int | None, start: torch.Tensor, end: torch.Tensor) -> int:
     """Pieces of the key axis per (sequence, group): the fewest that make the work items a multiple of the
     threads (batch 1 on 2 threads: 2 halves of the sequence; 3 KV heads on 2 threads: 6 items, not 2 + 1),
-    each at least MIN_SPLIT_KEYS long, else 1. ``longest``: the longest sequence's keys, or a function giving
-    it (called only when a split is possible)."""
+    each at least MIN_SPLIT_KEYS long, else 1. ``longest``: the longest sequence's keys as the cache knows them
+    on the host, or None: then read back from the key ranges [start, end), only when a split is possible."""
     threads = torch.get_num_threads()
     want = threads // math.gcd(items, threads)
     if want == 1:
         return 1
-    n = longest() if callable(longest) else longest
-    return want if n // want >= MIN_SPLIT_KEYS else 1
+    if longest is None:
+        longest = int((end - start).max()) if end.numel() else 0
+    return want if longest // want >= MIN_SPLIT_KEYS else 1
