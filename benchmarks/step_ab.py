@@ -9,7 +9,11 @@ Pieces (old arm -> new arm), at the bench reference shape:
 - ``rms_norm``: torch's ``F.rms_norm`` -> ``kvlm.kernels.rms_norm`` (one C++ pass), 1 cached token;
 - ``head_matmul``: ``einsum`` -> ``latent_ops.head_matmul`` for MLA's per-head absorption, 1 cached token;
 - ``huge-page cache``: the cache's pools in 4 KiB pages -> in 2 MiB pages (``kvlm.hugepages``), long contexts;
-- ``huge-page weights``: parameters in 4 KiB pages -> moved by ``prepare_for_inference``, batch 1, 1 token.
+- ``huge-page weights``: parameters in 4 KiB pages -> moved by ``prepare_for_inference``, batch 1, 1 token;
+- ``few-row GEMMs``: the weight products as before the few-row kernel (F.linear, or MKL's copy packed for the
+  batch at 4-16 rows) -> ``kvlm.kernels.few_rows`` (up to 8 rows), 1 cached token.
+
+``--pieces`` picks some (names as above).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import time
 import torch
 
 import kvlm.attention.mla as mla_module
+import kvlm.kernels.few_rows as few_rows_module
 import kvlm.model as model_module
 from kvlm import hugepages
 from kvlm.bench.plan import parse_variant
@@ -33,6 +38,9 @@ QUICK = dict(n_layer=2, d_model=64, n_head=4, vocab_size=256, ffn_dim=128)
 MLA = "mla:kv_lora_rank=256:rope_head_dim=32"
 VARIANTS = ["mha", "gqa:n_kv_head=3", MLA]
 VARIANTS_QUICK = ["mha", "gqa:n_kv_head=2", "mla:kv_lora_rank=32:rope_head_dim=8"]
+
+
+PIECES = ["rms_norm", "head_matmul", "huge-page cache", "huge-page weights", "few-row GEMMs"]
 
 
 def _einsum_heads(x, w):
@@ -85,19 +93,22 @@ def run(
     caches["new"] = caches["old"] if piece != "huge-page cache" else _cache(model, batch, context, True)
     tok = torch.randint(0, model.cfg.vocab_size, (batch, 1))
     for m in {id(model): model, id(old_model): old_model}.values():
-        if packs_for(m, batch):
+        if packs_for(m, batch) or (piece == "few-row GEMMs" and 4 <= batch <= 16):  # the old arm's packing
             m.pack_for_decode(batch)
+    few = few_rows_module.FEW_ROWS
     fused, heads = model_module.one_pass_rms_norm, mla_module.head_matmul
 
     def step(arm: str):
         use_old = arm == "old"
         model_module.one_pass_rms_norm = (lambda *a: None) if use_old and piece == "rms_norm" else fused
         mla_module.head_matmul = _einsum_heads if use_old and piece == "head_matmul" else heads
+        few_rows_module.FEW_ROWS = 0 if use_old and piece == "few-row GEMMs" else few
         m = old_model if use_old else model
         cache = caches[arm]
         cache.length = context
         out = m(tok, cache=cache, mode=mode, last_only=True)
         model_module.one_pass_rms_norm, mla_module.head_matmul = fused, heads
+        few_rows_module.FEW_ROWS = few
         return out
 
     with torch.inference_mode():
@@ -110,6 +121,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a toy shape, to check the script (seconds)")
     ap.add_argument("--rounds", type=int, default=25, help="interleaved rounds per line")
+    ap.add_argument("--pieces", nargs="+", default=PIECES, choices=PIECES, metavar="PIECE")
     a = ap.parse_args()
     shape = QUICK if a.quick else SHAPE
     variants = VARIANTS_QUICK if a.quick else VARIANTS
@@ -119,7 +131,7 @@ def main() -> None:
     print(
         "| piece | variant | batch | cached tokens | old ms | new ms | old / new |\n|---|---|---:|---:|---:|---:|---:|"
     )
-    for piece in ("rms_norm", "head_matmul", "huge-page cache", "huge-page weights"):
+    for piece in a.pieces:
         for spec in variants:
             if piece == "head_matmul" and not spec.startswith("mla"):
                 continue

@@ -92,6 +92,15 @@ def all_variants():
     return out
 
 
+@pytest.fixture
+def no_few_rows(monkeypatch):
+    """The few-row weight kernel off (kvlm.kernels.few_rows): up to 8 rows it takes a product before any packed
+    copy, so a test of the packed products turns it off to reach them."""
+    from kvlm.kernels import few_rows
+
+    monkeypatch.setattr(few_rows, "FEW_ROWS", 0)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -111,6 +111,7 @@ def _count_packed_products(monkeypatch) -> list:
 
 
 @pytest.mark.parametrize("attention,extra", [("mha", {}), ("mla", dict(kv_lora_rank=48, rope_head_dim=8))])
+@pytest.mark.usefixtures("no_few_rows")
 def test_the_compiled_step_keeps_the_packed_products(attention, extra, monkeypatch):
     """Every product the eager step runs on packed weights, the compiled one runs there too (through the operator
     in its graph), with the same logits."""
@@ -136,6 +137,7 @@ def test_the_compiled_step_keeps_the_packed_products(attention, extra, monkeypat
     assert torch.ops.kvlm.packed_linear.default in targets
 
 
+@pytest.mark.usefixtures("no_few_rows")
 def test_a_weight_written_after_packing_is_read_by_the_compiled_step_too():
     """The packed copy goes stale when its weight is written: the operator then takes the plain product (else the
     compiled step would decode with the old weights)."""

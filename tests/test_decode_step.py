@@ -16,6 +16,10 @@ from kvlm.config import ModelConfig
 from kvlm.inference.generation import generate
 from kvlm.model import build_model
 
+# these tests are about the packed products, which the few-row kernel would take first up to 8 rows
+# (tests/test_few_rows.py tests that kernel and its place in the step)
+pytestmark = pytest.mark.usefixtures("no_few_rows")
+
 needs_mkl = pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="torch built without MKL")
 
 
@@ -208,7 +212,9 @@ def test_packed_step_counts_the_same_flops(rows):
 
 @needs_mkl
 def test_generate_packs_by_default_only_where_it_pays(monkeypatch):
-    """Default: packed at batch 4-16 for 16+ steps on CPU float32 (below 4 rows it does not pay), then dropped."""
+    """Default: packed for 16+ steps on CPU float32 at batch 9-16 where the few-row kernel is (up to 8 rows it is
+    faster), at batch 4-16 where it is not (below 4 rows F.linear streams as fast), then dropped."""
+    from kvlm.inference import generation
     from kvlm.model import KVLM
 
     torch.manual_seed(0)
@@ -216,12 +222,17 @@ def test_generate_packs_by_default_only_where_it_pays(monkeypatch):
     calls = []
     orig = KVLM.pack_for_decode
     monkeypatch.setattr(KVLM, "pack_for_decode", lambda self, rows: calls.append(rows) or orig(self, rows))
-    generate(model, [[1, 2]] * 4, 16)
-    assert calls == [4, None]
-    calls.clear()
-    generate(model, [[1, 2]] * 4, 8)  # too few steps to repay packing
-    generate(model, [[1, 2]] * 2, 16)  # too few rows
-    assert calls == []
+    for available, lowest in ((True, 9), (False, 4)):
+        monkeypatch.setattr(generation, "few_rows_available", lambda available=available: available)
+        calls.clear()
+        generate(model, [[1, 2]] * lowest, 16)
+        generate(model, [[1, 2]] * 16, 16)
+        assert calls == [lowest, None, 16, None]
+        calls.clear()
+        generate(model, [[1, 2]] * lowest, 8)  # too few steps to repay packing
+        generate(model, [[1, 2]] * (lowest - 1), 16)  # too few rows
+        generate(model, [[1, 2]] * 17, 16)  # too many
+        assert calls == []
 
 
 def _spy_groups(monkeypatch) -> list[bool]:
@@ -304,8 +315,8 @@ def test_fused_group_equals_its_packed_parts_and_goes_stale():
 
 @needs_mkl
 def test_lm_head_timing_runs_the_packed_head_where_the_step_does():
-    """kvlm bench's per-operation LM head time runs the product the decode step runs: packed at batch 4-16 on
-    CPU float32 (bench_decode packs there), unpacked below; the head's own packing is left as it was."""
+    """kvlm bench's per-operation LM head time runs the product the decode step runs: packed where bench_decode
+    packs (``packs_for``: batch 12 on CPU float32), unpacked at batch 2; the head's own packing is left as it was."""
     from kvlm.bench.opstime import lm_head_ms
 
     torch.manual_seed(0)
@@ -320,7 +331,7 @@ def test_lm_head_timing_runs_the_packed_head_where_the_step_does():
 
     Linear._packed_for = spy
     try:
-        assert lm_head_ms(model, 8, repeats=2) > 0
+        assert lm_head_ms(model, 12, repeats=2) > 0
         packed_calls = sum(seen)
         seen.clear()
         lm_head_ms(model, 2, repeats=2)

@@ -1,26 +1,28 @@
 """The few-row ``Linear`` of decode, and its packed weights (``PackedGroup`` / ``GroupPacking``).
 
 Decode multiplies a handful of rows (batch x new tokens) by every weight, so it is bound by reading the weights,
-and the layout the GEMM library reads them in matters more than the arithmetic. Two packed layouts, both a
-decode-time copy of the weight made once (parameters and state dict untouched, dropped by ``train(True)``, moves,
-casts or any write to the weight):
+and how the product reads them matters more than the arithmetic. In order of preference on CPU float32 without
+autograd:
 
-- ``pack_for_decode(rows)``, rows an int: MKL's packed sgemm layout for products of exactly ``rows`` rows (what
-  Inductor's freezing uses for a static batch). The fastest where the row count is fixed (``generate`` at batch
-  4-16): streaming the reference shape's 268 MB of weights at 4-8 rows it ran 1.6x faster than the best unpacked
-  layout (benchmarks/decode_limit.py, "GEMMs alone"). Other row counts take the unpacked path.
-- ``pack_for_decode(ANY_ROWS)``: oneDNN's blocked layout, which serves any row count (what Inductor uses for a
-  dynamic batch). For the serving engine, whose steps have any number of rows. Measured on this project's 2-core
-  machine, the reference shape's weights at 1 thread (CPU time, the machine shared): 8 / 16 / 32 rows 51 / 61 /
-  101 ms against 104 / 96 / 149 ms unpacked and 41 / 50 / 89 ms for MKL's layout packed for exactly that count.
+- Up to ``FEW_ROWS`` (8) rows, the few-row kernel (``kvlm.kernels.few_rows``) on the plain weight: no copy, and
+  faster than every library path measured (2-4x on AMD EPYC, where MKL streams these shapes at 10-17 GB/s;
+  equal to 1.25x on Intel). Groups of Linears that read one input (``GroupPacking``) run as one call.
+- A packed copy, made once at decode time (parameters and state dict untouched, dropped by ``train(True)``,
+  moves, casts or any write to the weight):
+  - ``pack_for_decode(rows)``, rows an int: MKL's packed sgemm layout for products of exactly ``rows`` rows
+    (what Inductor's freezing uses for a static batch; ``generate`` packs at batch 9-16, or 4-16 where the
+    few-row kernel is missing). Other row counts take the unpacked path.
+  - ``pack_for_decode(ANY_ROWS)``: oneDNN's blocked layout, which serves any row count (what Inductor uses for a
+    dynamic batch): the serving engine, whose steps have any number of rows. Measured on this project's 2-core
+    Intel machine, the reference shape's weights at 1 thread: 8 / 16 / 32 rows 51 / 61 / 101 ms against
+    104 / 96 / 149 ms unpacked and 41 / 50 / 89 ms for MKL's layout packed for exactly that count.
+- Unpacked, 4-16 rows run as W x^T, which MKL streams faster than x W^T (the 32000 x 768 LM head at batch 8:
+  12.4 ms against 25.6 ms on Intel); others F.linear.
 
-Under ``torch.compile`` the packed products run as the custom operator ``kvlm::packed_linear``
-(``kvlm.kernels.library``): the graph holds the plain weights, and the operator finds the packed copy made of them
-when it runs (the compiler can neither lower the libraries' packed products nor take a packed copy as an input).
-
-Unpacked, 4-16 rows run as W x^T, which MKL streams faster than x W^T (the 32000 x 768 LM head at batch 8: 12.4 ms
-against 25.6 ms; the 768 x 2048 FFN down-projection 1.0 against 3.0 ms). Below ``min_rows`` (4) rows F.linear
-streams the weights as fast as any packed layout, so those always take it.
+Under ``torch.compile`` the few-row and packed products run as the custom operator ``kvlm::packed_linear``
+(``kvlm.kernels.library``): the graph holds the plain weights, and the operator takes the same path as the eager
+step when it runs (the compiler can neither lower the libraries' packed products nor take a packed copy as an
+input).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import register_flop_formula
 
+from kvlm.kernels.few_rows import few_rows_fit, few_rows_linear
 from kvlm.kernels.library import packed_linear, register_packed
 
 ANY_ROWS = "any"  # pack_for_decode(ANY_ROWS): one layout for products of any number of rows (oneDNN)
@@ -132,12 +135,14 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.numel() else 0
-        if self._packed is not None and x.device.type == "cpu":
+        if x.device.type == "cpu":
             if torch.compiler.is_compiling():
-                if not torch.is_grad_enabled():  # the operator has no backward
-                    return packed_linear(x, [self.weight], [self.bias])
+                if not torch.is_grad_enabled() and (self._packed is not None or few_rows_fit(x)):
+                    return packed_linear(x, [self.weight], [self.bias])  # no backward: no grad only
             else:
-                y = self._packed_for(x, rows)
+                y = few_rows_linear(x, [self.weight], [self.bias])
+                if y is None and self._packed is not None:
+                    y = self._packed_for(x, rows)
                 if y is not None:
                     return y
         if rows < self.min_rows or rows > self.small_rows or x.device.type != "cpu":
@@ -258,18 +263,23 @@ class GroupPacking(nn.Module):
         return covered
 
     def group_outputs(self, names: tuple[str, ...], x: torch.Tensor) -> list[torch.Tensor] | None:
-        """The outputs of the Linears ``names`` on x through their packed group, or None (not packed for this
-        call: the caller runs them one by one, which gives the same values)."""
+        """The outputs of the Linears ``names`` on x as one product: by the few-row kernel where it applies, else
+        through their packed group, or None (neither applies: the caller runs them one by one, which gives the
+        same values)."""
         group = self.__dict__.get("_decode_groups", {}).get(names)
-        if group is None:
-            return None
         linears = [getattr(self, n) for n in names]
-        if not torch.compiler.is_compiling():
-            return group.outputs(linears, x)
-        if x.device.type != "cpu" or torch.is_grad_enabled():  # the operator has no backward
-            return None
-        y = packed_linear(x, [m.weight for m in linears], [m.bias for m in linears])
-        return list(y.split(group.sizes, dim=-1))
+        weights, biases = [m.weight for m in linears], [m.bias for m in linears]
+        if torch.compiler.is_compiling():
+            if x.device.type != "cpu" or torch.is_grad_enabled():  # the operator has no backward
+                return None
+            if group is None and not few_rows_fit(x):
+                return None
+            y = packed_linear(x, weights, biases)
+        else:
+            y = few_rows_linear(x, weights, biases)
+            if y is None:
+                return None if group is None else group.outputs(linears, x)
+        return list(y.split([w.shape[0] for w in weights], dim=-1))
 
     def train(self, mode: bool = True):
         if mode:

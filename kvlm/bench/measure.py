@@ -50,7 +50,7 @@ def bench_decode(
         fill_cache(cache, context, model.cfg.vocab_size)
         return cache, cache.nbytes_used, torch.randint(0, model.cfg.vocab_size, (batch, 1), device=device)
 
-    # as generate decodes: weights packed for MKL at batch 4-16 on CPU float32 (kvlm.inference.generation)
+    # as generate decodes: weights packed for MKL where packs_for says it pays (kvlm.inference.generation)
     packed = packs_for(model, batch) and model.pack_for_decode(batch) > 0
     try:
         row = time_decode(

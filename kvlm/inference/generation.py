@@ -23,6 +23,7 @@ import torch
 from kvlm.attention.base import MODES
 from kvlm.cache import CacheError
 from kvlm.inference.sampling import StopTracker, check_sampling, sample
+from kvlm.kernels.few_rows import FEW_ROWS, few_rows_available
 from kvlm.logs import get_logger
 
 logger = get_logger(__name__)
@@ -58,8 +59,8 @@ def generate(
     mode is passed to the model ("naive" builds the materialised per-head K/V cache). The cache has the
     model's dtype and device.
     pack_weights: decode with the weights in MKL's packed GEMM layout for this batch (``KVLM.pack_for_decode``;
-    CPU float32 only; a second copy of the weights while it runs). None: when batch 4-16 and at least
-    ``PACK_MIN_STEPS`` decode steps on CPU float32 (below 4 rows an unpacked product streams as fast).
+    CPU float32 only; a second copy of the weights while it runs). None: where ``packs_for`` says it pays (batch
+    9-16, or 4-16 without the few-row kernel) and at least ``PACK_MIN_STEPS`` decode steps on CPU float32.
     Weights the caller packed for this batch beforehand are used and kept.
     compile: run the decode steps through ``torch.compile`` (the prefill stays eager): kvlm's CPU kernels and
     packed products enter its graph as custom operators (``kvlm.kernels.library``), so a step loses most of its
@@ -167,14 +168,13 @@ PACK_MIN_STEPS = 16  # packing the reference shape's 260 MB of weights takes ~0.
 
 def packs_for(model, batch: int) -> bool:
     """Whether decode at ``batch`` sequences gains from packed weights: a kvlm model on CPU in float32, batch
-    4-16 (below 4 rows F.linear streams the weights as fast, benchmarks/decode_limit.py "GEMMs alone")."""
+    9-16 (up to 8 rows the few-row kernel is faster, kvlm.kernels.few_rows), or 4-16 where that kernel is
+    missing (below 4 rows F.linear streams the weights as fast, benchmarks/decode_limit.py "GEMMs alone")."""
     p = model.embed.weight
-    return (
-        hasattr(model, "pack_for_decode")
-        and p.device.type == "cpu"
-        and p.dtype == torch.float32
-        and (4 <= batch <= 16)
-    )
+    if not hasattr(model, "pack_for_decode") or p.device.type != "cpu" or p.dtype != torch.float32:
+        return False
+    lowest = FEW_ROWS + 1 if few_rows_available() else 4
+    return lowest <= batch <= 16
 
 
 def _pack(model, batch: int, max_new_tokens: int, pack_weights: bool | None) -> bool:

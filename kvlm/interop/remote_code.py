@@ -91,6 +91,14 @@ def register_packed(*args, **kwargs):
     pass
 
 
+def few_rows_fit(x):
+    return False
+
+
+def few_rows_linear(*args, **kwargs):
+    return None
+
+
 def packed_linear(x, weights, biases):
     import torch
     import torch.nn.functional as F

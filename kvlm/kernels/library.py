@@ -6,9 +6,9 @@ the extension's pybind function would break the graph, and the kernels' host-sid
 counters, the thread count that sets the splits) would be traced and guarded on; ``kvlm::decode_attention``
 does that work inside, opaque to the compiler, with a fake implementation that gives the output's shape.
 
-``kvlm::packed_linear`` does the same for the products on weights packed for decode (``kvlm.attention.linear``:
-MKL's layout, 1.6x faster than any unpacked one at 4-8 rows), which the compiler can neither lower nor take as
-graph inputs (a packed copy is no parameter). The graph holds the plain weights; the operator looks up the packed
+``kvlm::packed_linear`` does the same for decode's weight products: the few-row kernel's (``kvlm.kernels.few_rows``)
+and those on weights packed for decode (``kvlm.attention.linear``: the GEMM libraries' layouts), which the
+compiler can neither lower nor take as graph inputs (a packed copy is no parameter). The graph holds the plain weights; the operator looks up the packed
 copy made of them (``register_packed``) when it runs, and takes the plain product where there is none or it is
 stale, so the graph needs no guard on packing and a repack recompiles nothing.
 """
@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from kvlm.kernels.cpu import extension
+from kvlm.kernels.few_rows import few_rows_linear
 
 
 @torch.library.custom_op("kvlm::decode_attention", mutates_args=())
@@ -73,8 +74,12 @@ def register_packed(weights: list[torch.Tensor], owner) -> None:
 
 @torch.library.custom_op("kvlm::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> torch.Tensor:
-    """[x W_1^T + b_1, ..., x W_n^T + b_n] (concatenated on the last axis) through the packed copy registered for
-    these weights, else through F.linear (the same values to float32 rounding)."""
+    """[x W_1^T + b_1, ..., x W_n^T + b_n] (concatenated on the last axis) as the eager step computes it: by the
+    few-row kernel where it applies, else through the packed copy registered for these weights, else through
+    F.linear (the same values to float32 rounding). Its FLOPs are counted by the formula registered for it."""
+    y = few_rows_linear(x, weights, biases, count=False)
+    if y is not None:
+        return y
     ref = _PACKED.get(tuple(w.data_ptr() for w in weights))
     owner = ref() if ref is not None else None
     y = owner.packed_outputs(weights, x) if owner is not None else None

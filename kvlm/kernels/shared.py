@@ -13,6 +13,7 @@ MIN_SPLIT_KEYS = (
 )
 CALLS: Counter[str] = Counter()
 NORM_CALLS: Counter[str] = Counter()  # rms_norm's calls, apart: CALLS counts attention over the cache
+LINEAR_CALLS: Counter[str] = Counter()  # the few-row weight products' calls (kvlm.kernels.few_rows)
 # FLOPs the kernels ran (2 per multiply-add, scores and values, every visible key counted): torch's FLOP counter
 # does not see them, so kvlm.bench.flops.CountFlops adds this running total's increase
 FLOPS: Counter[str] = Counter()

@@ -21,6 +21,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include "decode_core.h"
+#include "few_rows.h"
 
 namespace {
 
@@ -249,4 +250,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "flash-decoding attention over a block-table cache (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last axis in one pass (CPU)");
+#if KVLM_AVX512
+  m.def("few_rows_linear", &kvlm_decode::few_rows::linear, "[x W_i^T + b_i] at a few rows of x (AVX-512 CPU)");
+#endif
 }

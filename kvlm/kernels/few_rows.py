@@ -1,0 +1,69 @@
+"""Decode's weight products at a few rows on CPU: ``few_rows_linear`` runs [x W_1^T + b_1, ...] through the
+few-row kernel (csrc/few_rows.h, AVX-512), which reads each plain float32 weight once for all rows of x.
+
+Decode multiplies batch x new-token rows by every weight, so its time is the time to read them. Streaming the
+reference shape's 268 MB of weights, 2 threads (``benchmarks/few_rows_gemm.py``; ms, lower is better):
+
+| CPU | rows | F.linear | MKL packed for the rows | few-row kernel |
+|---|---:|---:|---:|---:|
+| AMD EPYC (Zen 5) | 1 / 2 / 8 | 16.4 / 29.9 / 25.4 | - / 20.1 / 24.6 | 4.8 / 5.2 / 7.6 |
+| Intel Xeon 2.5 GHz | 1 / 2 / 8 | 15.7 / 16.0 / 43.1 | - / 18.5 / 21.5 | 14.9 / 15.5 / 20.4 |
+
+So up to ``FEW_ROWS`` rows ``kvlm.attention.linear.Linear`` takes it before any packed copy (and ``generate``
+packs only above that); beyond, where the products become compute-dense, the GEMM libraries' packed layouts.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvlm.kernels.cpu import extension
+from kvlm.kernels.shared import FLOPS, LINEAR_CALLS
+
+FEW_ROWS = 8  # rows up to which the kernel takes the product (faster than every library path measured, above)
+
+
+def few_rows_fit(x: torch.Tensor) -> bool:
+    """Whether products of ``x`` have the shape and kind the kernel takes: 1 to ``FEW_ROWS`` rows of float32 on
+    CPU. (The weights and the kernel's presence are checked when it runs.)"""
+    k = x.shape[-1]
+    return x.device.type == "cpu" and x.dtype == torch.float32 and k > 0 and 0 < x.numel() <= FEW_ROWS * k
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """A contiguous float32 CPU tensor of torch's own class (not a tensor-parallel DTensor)."""
+    return type(t.data) is torch.Tensor and t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+
+
+def few_rows_available() -> bool:
+    """Whether this machine has the kernel: the extension built (kernels enabled) on an AVX-512 CPU."""
+    ext = extension()
+    return ext is not None and hasattr(ext, "few_rows_linear")
+
+
+def few_rows_linear(
+    x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None], count: bool = True
+) -> torch.Tensor | None:
+    """[x W_1^T + b_1, ..., x W_n^T + b_n] concatenated on the last axis (x (..., K), W_i (N_i, K)) by the
+    few-row kernel, or None where it does not apply: other shapes or dtypes (``few_rows_fit``), weights or
+    biases not plain contiguous float32 CPU tensors, autograd recording, under torch.compile (the operator
+    ``kvlm::packed_linear`` calls this when it runs), kernels disabled or no AVX-512. ``count``: add its FLOPs to
+    the kernels' running total (torch's FLOP counter does not see the extension)."""
+    if type(x) is not torch.Tensor or not few_rows_fit(x) or torch.compiler.is_compiling():
+        return None
+    if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
+        return None
+    if not all(_plain(w) for w in weights) or not all(b is None or _plain(b) for b in biases):
+        return None
+    ext = extension()
+    if ext is None or not hasattr(ext, "few_rows_linear"):
+        return None
+    k = x.shape[-1]
+    rows, n = x.numel() // k, sum(w.shape[0] for w in weights)
+    if any(w.dim() != 2 or w.shape[1] != k for w in weights):
+        return None  # a caller's shape error: F.linear names it
+    if count:
+        FLOPS["total"] += 2 * rows * k * n
+    LINEAR_CALLS["few_rows"] += 1
+    y = ext.few_rows_linear(x.reshape(rows, k).contiguous(), weights, biases)
+    return y.view(*x.shape[:-1], n)

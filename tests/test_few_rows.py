@@ -1,0 +1,168 @@
+"""Decode's weight products at a few rows (issue 15, "weight GEMMs at batch 1-8 read weights near bandwidth"): the
+few-row kernel (kvlm.kernels.few_rows, csrc/few_rows.h) against float64 products, where it declines, and its
+place in the step: ``Linear`` and grouped projections take it up to 8 rows, eager and compiled, with the same
+logits as the library products and the same FLOP count."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import require_kernels, tiny_config
+
+from kvlm import build_model
+from kvlm.attention.linear import GroupPacking, Linear
+from kvlm.bench.flops import CountFlops
+from kvlm.kernels import few_rows
+from kvlm.kernels.shared import LINEAR_CALLS
+
+
+@pytest.fixture(autouse=True)
+def _kernel():
+    require_kernels()
+    if not few_rows.few_rows_available():
+        pytest.skip("no AVX-512 on this CPU: the few-row kernel is not built (the library products run)")
+
+
+def _reference(x, weights, biases):
+    return torch.cat(
+        [F.linear(x.double(), w.double(), None if b is None else b.double()) for w, b in zip(weights, biases)], -1
+    )
+
+
+@pytest.mark.parametrize("rows", range(1, 9))
+@pytest.mark.parametrize("k", [1, 37, 64, 200])
+def test_the_kernel_computes_the_products(rows, k):
+    """Every row count up to 8 (row blocks of 8, 4, 2, 1), feature counts off and on the vector width, weights of
+    any number of rows (not whole blocks of 16), with and without biases, concatenated in one output."""
+    torch.manual_seed(rows * 1000 + k)
+    x = torch.randn(2, rows, k)[1]  # a view: the kernel reads it as given
+    weights = [torch.randn(n, k) for n in (33, 16, 5)]
+    biases = [torch.randn(33), None, torch.randn(5)]
+    with torch.no_grad():
+        got = few_rows.few_rows_linear(x, weights, biases)
+    assert got is not None and got.shape == (rows, 54)
+    torch.testing.assert_close(got.double(), _reference(x, weights, biases), rtol=1e-5, atol=1e-5 * k**0.5)
+
+
+def test_leading_axes_are_kept():
+    x = torch.randn(2, 3, 48)
+    w = torch.randn(40, 48)
+    with torch.no_grad():
+        got = few_rows.few_rows_linear(x, [w], [None])
+    torch.testing.assert_close(got.double(), _reference(x, [w], [None]), rtol=1e-5, atol=1e-4)
+    assert got.shape == (2, 3, 40)
+
+
+def test_it_declines_what_it_does_not_take(monkeypatch):
+    w, b = torch.randn(40, 48), torch.randn(40)
+    x = torch.randn(4, 48)
+    with torch.no_grad():
+        assert few_rows.few_rows_linear(x, [w], [b]) is not None
+        assert few_rows.few_rows_linear(torch.randn(9, 48), [w], [b]) is None  # more than 8 rows
+        assert few_rows.few_rows_linear(x.double(), [w.double()], [b.double()]) is None  # the reference dtype
+        assert few_rows.few_rows_linear(x, [torch.randn(48, 40).t()], [b]) is None  # not contiguous
+        assert few_rows.few_rows_linear(x, [w], [torch.randn(80)[::2]]) is None
+        assert few_rows.few_rows_linear(torch.randn(0, 48), [w], [b]) is None  # no rows
+    w.requires_grad_(True)
+    assert few_rows.few_rows_linear(x, [w], [b]) is None  # autograd records: no backward here
+    monkeypatch.setenv("KVLM_KERNELS", "0")
+    with torch.no_grad():
+        assert few_rows.few_rows_linear(x, [w], [b]) is None
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_takes_it_up_to_eight_rows(bias):
+    torch.manual_seed(0)
+    lin = Linear(48, 40, bias=bias).eval()
+    with torch.no_grad():
+        for rows in (1, 3, 8, 9, 16):
+            x = torch.randn(rows, 1, 48)
+            before = LINEAR_CALLS["few_rows"]
+            got = lin(x)
+            assert (LINEAR_CALLS["few_rows"] - before == 1) == (rows <= 8)
+            torch.testing.assert_close(got.double(), _reference(x, [lin.weight], [lin.bias]), rtol=1e-5, atol=1e-5)
+    x = torch.randn(2, 48)
+    before = LINEAR_CALLS["few_rows"]
+    lin(x).sum().backward()  # training: the plain product, which has a backward
+    assert LINEAR_CALLS["few_rows"] == before and lin.weight.grad is not None
+
+
+def _decode(model, B, n_new=1):
+    """Logits of one decode step of B x n_new rows, the kernel's calls in it and the Linears' own calls."""
+    torch.manual_seed(1)
+    cache = model.new_cache(B, 32)
+    prompt = torch.randint(0, model.cfg.vocab_size, (B, 9))
+    step = torch.randint(0, model.cfg.vocab_size, (B, n_new))
+    linear_calls = []
+    hooks = [m.register_forward_hook(lambda *a: linear_calls.append(1)) for m in model.modules()
+             if isinstance(m, Linear)]  # fmt: skip
+    try:
+        with torch.inference_mode():
+            model(prompt, cache=cache)
+            before, linear_calls[:] = LINEAR_CALLS["few_rows"], []
+            logits = model(step, cache=cache)
+            return logits, LINEAR_CALLS["few_rows"] - before, len(linear_calls)
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+@pytest.mark.parametrize("attention,extra", [("mha", {}), ("gqa", dict(n_kv_head=2)),
+                                             ("mla", dict(kv_lora_rank=32, rope_head_dim=8))])  # fmt: skip
+def test_the_step_runs_its_products_through_it_with_the_same_logits(attention, extra, monkeypatch):
+    """A decode step of 3 rows (batch 3, or batch 1 with 3 new tokens) runs every weight product through the
+    kernel, one call per group of projections reading one input (MHA's q/k/v, SwiGLU's gate/up), and gives the
+    logits of the library products (the kernel off: every Linear called on its own)."""
+    model = build_model(tiny_config(attention, **extra)).eval().prepare_for_inference()
+    groups = [names for m in model.modules() if isinstance(m, GroupPacking) for names in m.packed_groups]
+    assert len(groups) == model.cfg.n_layer * (2 if attention in ("mha", "gqa") else 1)
+    grouped = sum(len(names) for names in groups)
+    for B, n_new in ((3, 1), (1, 3)):
+        monkeypatch.setattr(few_rows, "FEW_ROWS", 0)
+        want, calls, products = _decode(model, B, n_new)
+        monkeypatch.undo()
+        assert calls == 0
+        got, calls, linear_calls = _decode(model, B, n_new)
+        assert linear_calls == products - grouped  # a group's Linears run inside its one call
+        assert calls == products - grouped + len(groups)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_step_through_it_counts_the_same_flops(monkeypatch):
+    """kvlm bench counts a step's FLOPs with torch's counter, which does not see the extension: the kernel adds
+    its own to the running total it reads."""
+    model = build_model(tiny_config("gqa", n_kv_head=2)).eval()
+    tok = torch.randint(0, 97, (4, 1))
+    totals = []
+    for on in (True, False):
+        if not on:
+            monkeypatch.setattr(few_rows, "FEW_ROWS", 0)
+        cache = model.new_cache(4, 16)
+        before = LINEAR_CALLS["few_rows"]
+        with torch.inference_mode(), CountFlops() as c:
+            model(tok, cache=cache)
+        assert (LINEAR_CALLS["few_rows"] > before) == on
+        totals.append(c.total)
+    assert totals[0] > 0 and totals[0] == totals[1]
+
+
+def test_the_compiled_step_runs_the_same_products_through_it():
+    """Under torch.compile the products go through the operator kvlm::packed_linear, which runs the kernel: as
+    many kernel calls as the eager step, the same logits."""
+    torch.manual_seed(0)
+    model = build_model(tiny_config("mla", kv_lora_rank=48, rope_head_dim=8, max_seq_len=32)).eval()
+    cache = model.new_cache(2, 24)
+    cache.fill_random_(5, model.cfg.vocab_size)
+    tok = torch.randint(0, model.cfg.vocab_size, (2, 1))
+    torch._dynamo.reset()
+    step = torch.compile(lambda t: model(t, cache=cache))
+    with torch.inference_mode():
+        for length in (5, 7):
+            cache.length = length
+            before = LINEAR_CALLS["few_rows"]
+            eager = model(tok, cache=cache)
+            n_eager = LINEAR_CALLS["few_rows"] - before
+            cache.length = length
+            before = LINEAR_CALLS["few_rows"]
+            compiled = step(tok)
+            assert n_eager > 0 and LINEAR_CALLS["few_rows"] - before == n_eager
+            torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
