@@ -35,6 +35,7 @@ import torch
 
 from kvlm.bench import make_plan, run
 from kvlm.bench.measure import fill_cache
+from kvlm.kernels import few_rows
 from kvlm.model import build_model
 
 HERE = Path(__file__).parent
@@ -121,7 +122,10 @@ def _multi_token_batch(model, cfg, batch, context, quick):
     for T in (1, 2, 4, 8, 16):
         tok = torch.randint(0, cfg.vocab_size, (batch, T))
         # weights packed for the call's B T rows (KVLM.pack_for_decode), except below 4 rows where it does not pay
-        model.pack_for_decode(batch * T if batch * T >= 4 else None)
+        # and up to FEW_ROWS where the few-row kernel takes the products first
+        rows = batch * T
+        few = few_rows.few_rows_available() and rows <= few_rows.FEW_ROWS
+        model.pack_for_decode(rows if rows >= 4 and not few else None)
         packs = _packs(model)
         for mode in ("auto", "expand") if T in (1, 4, 16) else ("auto",):
             trace: list = []
@@ -141,10 +145,11 @@ def _multi_token_batch(model, cfg, batch, context, quick):
 
 
 def weights_packed(threads, quick):
-    """Weight GEMMs at batch 1-8: the whole step (absorbed MLA, GQA-3, 4096 cached tokens) with the weights in
-    MKL's packed layout (KVLM.pack_for_decode) against unpacked, interleaved; and the GEMMs alone (one layer's
-    projections + LM head, every weight streamed from memory) per layout: F.linear (x W^T), Linear's W x^T
-    and the packed product."""
+    """Weight GEMMs at batch 1-8: the whole step (absorbed MLA, GQA-3, 4096 cached tokens) with the library
+    products (the few-row kernel off), unpacked or in MKL's packed layout (KVLM.pack_for_decode), and with the
+    few-row kernel (kvlm.kernels.few_rows), interleaved; and the GEMMs alone (the projections of every layer +
+    LM head, every weight streamed from memory) per path: F.linear (x W^T), Linear's W x^T, the packed
+    product and the few-row kernel."""
     import torch.nn.functional as F
 
     torch.set_num_threads(threads)
@@ -161,14 +166,19 @@ def weights_packed(threads, quick):
                 model.pack_for_decode(batch)  # once; the calls below swap the packed copies in and out
                 packs = _packs(model)
 
-                def step(packed, tok=tok, cache=cache, model=model, packs=packs):
+                def step(packed, few=0, tok=tok, cache=cache, model=model, packs=packs):
                     _swap_in(packs, packed)
-                    model(tok, cache=cache, last_only=True)
+                    saved, few_rows.FEW_ROWS = few_rows.FEW_ROWS, few
+                    try:
+                        model(tok, cache=cache, last_only=True)
+                    finally:
+                        few_rows.FEW_ROWS = saved
                     cache.length = context
 
-                ms = _interleaved(
-                    {"unpacked": lambda: step(False), "packed": lambda: step(True)}, 3 if quick else 8
-                )
+                arms = {"unpacked": lambda: step(False), "packed": lambda: step(True)}
+                if few_rows.few_rows_available():
+                    arms["few-row"] = lambda: step(False, few_rows.FEW_ROWS)
+                ms = _interleaved(arms, 3 if quick else 8)
                 out[f"step {spec if not quick else spec_q} batch {batch}"] = ms
             model.pack_for_decode(None)
         shape = QUICK if quick else SHAPE
@@ -189,6 +199,10 @@ def weights_packed(threads, quick):
                     torch.ops.mkl._mkl_linear(xs[w.shape[1]], p, w, None, M) for w, p in zip(weights, packed)
                 ],
             }  # fmt: skip
+            if few_rows.few_rows_available():
+                calls["few-row"] = lambda xs=xs: [
+                    few_rows.few_rows_linear(xs[w.shape[1]], [w], [None]) for w in weights
+                ]
             ms = _interleaved(calls, 3 if quick else 8)
             mb = sum(w.numel() for w in weights) * 4 / 1e6
             out[f"GEMMs M={M} ({mb:.0f} MB)"] = {k: round(t, 2) for k, t in ms.items()}
@@ -376,8 +390,9 @@ def main() -> None:
             for k, v in row.items()
         ],
         "",
-        "Weight GEMMs at small batch, 2 threads, ms (median of interleaved runs): the whole step with the weights "
-        "packed for MKL (`KVLM.pack_for_decode`, what `generate` does at batch 4-16) or not, and the GEMMs alone:",
+        "Weight GEMMs at small batch, 2 threads, ms (median of interleaved runs): the whole step with the library "
+        "products (the few-row kernel off), the weights packed for MKL (`KVLM.pack_for_decode`) or not, and with the "
+        "few-row kernel (`kvlm.kernels.few_rows`, what the step runs up to 8 rows); and the GEMMs alone:",
         "",
         "| case | " + " | ".join(next(iter(wp.values())).keys()) + " |",
         "|---|" + "---:|" * len(next(iter(wp.values()))),
@@ -387,8 +402,8 @@ def main() -> None:
             if k.startswith("step")
         ],
         "",
-        "| GEMMs alone | F.linear | W x^T | packed |",
-        "|---|---:|---:|---:|",
+        "| GEMMs alone | " + " | ".join(wp[next(k for k in wp if k.startswith("GEMMs"))].keys()) + " |",
+        "|---|" + "---:|" * len(wp[next(k for k in wp if k.startswith("GEMMs"))]),
         *[
             f"| {k} | " + " | ".join(f"{t:.2f}" for t in row.values()) + " |"
             for k, row in wp.items()

@@ -33,7 +33,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvlm.kernels import cpu
-from kvlm.kernels.shared import CALLS, FLOPS, MIN_SPLIT_KEYS, NORM_CALLS, split_count  # noqa: F401 (re-exported)
+from kvlm.kernels.shared import (  # noqa: F401 (re-exported)
+    CALLS,
+    FLOPS,
+    LINEAR_CALLS,
+    MIN_SPLIT_KEYS,
+    NORM_CALLS,
+    count_flops,
+    split_count,
+)
 
 if TYPE_CHECKING:
     from kvlm.cache.layer import BlockView
@@ -164,7 +172,7 @@ def _run(
             view.page_size, n_new, scale, items, view.longest, name, flops,
         )  # fmt: skip
     CALLS[name] += 1
-    FLOPS["total"] += flops
+    count_flops("attention", flops)
     return cpu.extension().decode_attention(
         q, q_rope, k_pool, k_scale, v_pool, v_scale, kr_pool, view.block_table, view.start, view.end,
         view.page_size, n_new, scale, _splits(items, view),
@@ -352,13 +360,8 @@ def _latent_triton(q_lat, q_rope, c_kv, k_rope, scale, strict):
     from kvlm.kernels import triton_decode
 
     CALLS["latent_triton"] += 1
-    FLOPS["total"] += (
-        2
-        * q_lat.shape[1]
-        * q_lat.shape[2]
-        * _keys(c_kv)
-        * (2 * q_lat.shape[-1] + (0 if q_rope is None else q_rope.shape[-1]))
-    )
+    d_r = 0 if q_rope is None else q_rope.shape[-1]
+    count_flops("attention", 2 * q_lat.shape[1] * q_lat.shape[2] * _keys(c_kv) * (2 * q_lat.shape[-1] + d_r))
     return triton_decode.latent_decode_triton(q_lat, q_rope, c_kv, k_rope, scale)
 
 

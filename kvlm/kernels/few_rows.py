@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from kvlm.kernels.cpu import extension
-from kvlm.kernels.shared import FLOPS, LINEAR_CALLS
+from kvlm.kernels.shared import LINEAR_CALLS, count_flops
 
 FEW_ROWS = 8  # rows up to which the kernel takes the product (faster than every library path measured, above)
 
@@ -63,7 +63,7 @@ def few_rows_linear(
     if any(w.dim() != 2 or w.shape[1] != k for w in weights):
         return None  # a caller's shape error: F.linear names it
     if count:
-        FLOPS["total"] += 2 * rows * k * n
+        count_flops("linear", 2 * rows * k * n)
     LINEAR_CALLS["few_rows"] += 1
     y = ext.few_rows_linear(x.reshape(rows, k).contiguous(), weights, biases)
     return y.view(*x.shape[:-1], n)

@@ -44,10 +44,10 @@ def decode_attention(
     name: str,
     flops: int,
 ) -> torch.Tensor:
-    from kvlm.kernels.shared import CALLS, FLOPS, split_count
+    from kvlm.kernels.shared import CALLS, count_flops, split_count
 
     CALLS[name] += 1
-    FLOPS["total"] += flops
+    count_flops("attention", flops)
     return extension().decode_attention(
         q, q_rope, k_pool, k_scale, v_pool, v_scale, kr_pool, block_table, start, end, page_size, n_new, scale,
         split_count(items, longest, start, end),

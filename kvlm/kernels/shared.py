@@ -14,9 +14,15 @@ MIN_SPLIT_KEYS = (
 CALLS: Counter[str] = Counter()
 NORM_CALLS: Counter[str] = Counter()  # rms_norm's calls, apart: CALLS counts attention over the cache
 LINEAR_CALLS: Counter[str] = Counter()  # the few-row weight products' calls (kvlm.kernels.few_rows)
-# FLOPs the kernels ran (2 per multiply-add, scores and values, every visible key counted): torch's FLOP counter
-# does not see them, so kvlm.bench.flops.CountFlops adds this running total's increase
+# FLOPs the kernels ran (2 per multiply-add; attention: scores and values, every visible key counted): torch's
+# FLOP counter does not see them, so kvlm.bench.flops.CountFlops adds the increase of "total"; "attention" and
+# "linear" (the few-row weight products) split it
 FLOPS: Counter[str] = Counter()
+
+
+def count_flops(kind: str, n: int) -> None:
+    FLOPS["total"] += n
+    FLOPS[kind] += n
 
 
 def split_count(items: int, longest: int | None, start: torch.Tensor, end: torch.Tensor) -> int:
