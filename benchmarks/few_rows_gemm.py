@@ -1,7 +1,8 @@
 """Weight GEMMs of a decode step at 1-16 rows: torch's F.linear, MKL's packed layout (what ``generate`` uses at
-batch 4-16) and an experimental few-row kernel on the plain weight (benchmarks/csrc/few_rows.cpp, not part of the
-package), interleaved in one process. Issue 15's "weight GEMMs at batch 1-8 read weights near bandwidth": this
-is the experiment behind benchmarks/decode-limit.md's section "Three passes, a compiled step, and what is left".
+batch 9-16) and the few-row kernel on the plain weight, interleaved in one process. Issue 15's "weight GEMMs at
+batch 1-8 read weights near bandwidth": the experiment behind benchmarks/decode-limit.md's sections "Three
+passes..." and "A new machine...". benchmarks/csrc/few_rows.cpp is the experiment's copy of the kernel, with its
+prefetch distance as an argument (the package's, kvlm/kernels/csrc/few_rows.h, fixes it at 4 KiB from 4 rows).
 
     OMP_NUM_THREADS=2 python benchmarks/few_rows_gemm.py 1 2 4 8 16     # ~2 min after a ~1 min build
 

@@ -6,6 +6,7 @@ alternating rounds, so a busy shared machine slows both alike; base/new is the m
 ratio of the two runs of a round.
 
     OMP_NUM_THREADS=2 python benchmarks/kernel_micro.py --baseline HEAD     # ~1 min after the builds
+    OMP_NUM_THREADS=2 python benchmarks/kernel_micro.py --baseline HEAD --define KVLM_NO_PREFETCH   # a build knob
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ CASES = [
 ]
 
 
-def build_baseline(rev: str):
-    """The kernel extension built from the sources of git revision ``rev`` (cached by their hash)."""
+def build_baseline(rev: str, defines: tuple[str, ...] = ()):
+    """The kernel extension built from the sources of git revision ``rev`` (cached by their hash), with the build
+    knobs ``defines`` (e.g. ``KVLM_NO_PREFETCH``, ``KVLM_PREFETCH_TILES=4``: decode_avx512.h lists them)."""
     files = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", f"{rev}:{CSRC}"],
                            check=True, capture_output=True, text=True).stdout.split()  # fmt: skip
     out = Path(tempfile.mkdtemp(prefix="kvlm_kernel_base_"))
@@ -53,8 +55,10 @@ def build_baseline(rev: str):
         digest.update(text)
     from torch.utils.cpp_extension import load
 
+    digest.update(" ".join(defines).encode())
     return load(name=f"kvlm_decode_base_{digest.hexdigest()[:10]}", sources=[str(out / "decode.cpp")],
-                extra_cflags=cpu.CFLAGS, extra_ldflags=["-fopenmp"], verbose=False)  # fmt: skip
+                extra_cflags=cpu.CFLAGS + [f"-D{d}" for d in defines], extra_ldflags=["-fopenmp"],
+                verbose=False)  # fmt: skip
 
 
 def make_case(name, H, G, latent, D, dR, store, B, S, T):
@@ -93,6 +97,7 @@ def make_case(name, H, G, latent, D, dR, store, B, S, T):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--baseline", default=None, help="git revision whose kernel to time against (e.g. HEAD)")
+    ap.add_argument("--define", nargs="*", default=[], metavar="KNOB[=V]", help="build knobs for the baseline")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=9, help="interleaved rounds (medians)")
@@ -104,7 +109,7 @@ def main() -> None:
     if mods["new"] is None:
         raise SystemExit(f"the kernel did not build: {cpu.build_error()}")
     if a.baseline:
-        mods = {"base": build_baseline(a.baseline), **mods}
+        mods = {"base": build_baseline(a.baseline, tuple(a.define)), **mods}
     hw = None
     if not a.no_hardware:
         hw = measure_hardware(torch.device("cpu"), mib=256, repeats=3)

@@ -30,9 +30,12 @@ def few_rows_fit(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and x.dtype == torch.float32 and k > 0 and 0 < x.numel() <= FEW_ROWS * k
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # not a tensor subclass (a tensor-parallel DTensor, as a Parameter too)
+
+
 def _plain(t: torch.Tensor) -> bool:
-    """A contiguous float32 CPU tensor of torch's own class (not a tensor-parallel DTensor)."""
-    return type(t.data) is torch.Tensor and t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+    """A contiguous float32 CPU tensor of torch's own classes."""
+    return type(t) in _PLAIN and t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
 
 
 def few_rows_available() -> bool:
@@ -49,7 +52,7 @@ def few_rows_linear(
     biases not plain contiguous float32 CPU tensors, autograd recording, under torch.compile (the operator
     ``kvlm::packed_linear`` calls this when it runs), kernels disabled or no AVX-512. ``count``: add its FLOPs to
     the kernels' running total (torch's FLOP counter does not see the extension)."""
-    if type(x) is not torch.Tensor or not few_rows_fit(x) or torch.compiler.is_compiling():
+    if type(x) not in _PLAIN or not few_rows_fit(x) or torch.compiler.is_compiling():
         return None
     if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
         return None
