@@ -8,7 +8,8 @@ dispatch, which a static or compiled step would remove.
 
 Per variant (MHA, GQA-3, absorbed MLA) and batch (1, 8; weights packed at 8 as ``generate`` packs them), ms per
 step: ``clock`` (the lower of two medians of 10 plain steps, before and after profiling), ``in operators``
-(profiler, 10 steps, per step), of which ``GEMMs`` (mm, addmm, bmm, MKL's packed linear), and ``outside`` = clock
+(profiler, 10 steps, per step; kvlm's C++ kernels recorded as ``kvlm::`` events), of which ``GEMMs`` (mm, addmm,
+bmm, the libraries' packed products, kvlm's few-row kernel), and ``outside`` = clock
 - in operators. The profiler adds a little to each operator, and the clock is the quieter of two moments, so
 ``outside`` is if anything an underestimate. Prints a markdown table.
 """
@@ -16,16 +17,43 @@ step: ``clock`` (the lower of two medians of 10 plain steps, before and after pr
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
 import torch
 from step_overhead import QUICK, SHAPE, VARIANTS, VARIANTS_QUICK, short_step  # this folder
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from kvlm.inference.generation import packs_for
+from kvlm.kernels import cpu
 
-GEMMS = {"aten::mm", "aten::addmm", "aten::bmm", "mkl::_mkl_linear", "mkldnn::_linear_pointwise"}
+GEMMS = {"aten::mm", "aten::addmm", "aten::bmm", "mkl::_mkl_linear", "mkldnn::_linear_pointwise",
+         "kvlm::few_rows_linear"}  # fmt: skip
+KERNELS = ("few_rows_linear", "rms_norm", "decode_attention")  # the extension's calls: no dispatcher operators
+
+
+@contextlib.contextmanager
+def kernels_recorded():
+    """The C++ extension's functions (kvlm.kernels.cpu) recorded as profiler events ``kvlm::NAME``: called through
+    pybind, not the dispatcher, the profiler would count them as time outside any operator."""
+    ext = cpu.extension()
+    saved = {k: getattr(ext, k) for k in KERNELS if ext is not None and hasattr(ext, k)}
+
+    def wrap(name, f):
+        def call(*args):
+            with record_function(f"kvlm::{name}"):
+                return f(*args)
+
+        return call
+
+    for k, f in saved.items():
+        setattr(ext, k, wrap(k, f))
+    try:
+        yield
+    finally:
+        for k, f in saved.items():
+            setattr(ext, k, f)
 
 
 def profile_step(spec: str, batch: int, shape: dict) -> dict:
@@ -51,7 +79,7 @@ def profile_step(spec: str, batch: int, shape: dict) -> dict:
 
         before = clock_ms()
         n = 10
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with kernels_recorded(), profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(n):
                 step()
         clock = min(
