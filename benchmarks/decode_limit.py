@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from kvlm.bench import make_plan, run
+from kvlm.attention.linear import packed_beats_few_rows
 from kvlm.bench.measure import fill_cache
 from kvlm.kernels import few_rows
 from kvlm.model import build_model
@@ -121,11 +122,14 @@ def _multi_token_batch(model, cfg, batch, context, quick):
     calls = {}
     for T in (1, 2, 4, 8, 16):
         tok = torch.randint(0, cfg.vocab_size, (batch, T))
-        # weights packed for the call's B T rows (KVLM.pack_for_decode), except below 4 rows where it does not pay
-        # and up to FEW_ROWS where the few-row kernel takes the products first
+        # weights packed for the call's B T rows (KVLM.pack_for_decode) as generate decides for a batch of that
+        # many rows (packs_for), beyond 16 rows always, except below 4 rows where it does not pay
         rows = batch * T
-        few = few_rows.few_rows_available() and rows <= few_rows.FEW_ROWS
-        model.pack_for_decode(rows if rows >= 4 and not few else None)
+        if few_rows.few_rows_available():
+            pack = rows > few_rows.FEW_ROWS and packed_beats_few_rows(model.lm_head.weight, rows)
+        else:
+            pack = rows >= 4
+        model.pack_for_decode(rows if pack else None)
         packs = _packs(model)
         for mode in ("auto", "expand") if T in (1, 4, 16) else ("auto",):
             trace: list = []
@@ -166,18 +170,20 @@ def weights_packed(threads, quick):
                 model.pack_for_decode(batch)  # once; the calls below swap the packed copies in and out
                 packs = _packs(model)
 
-                def step(packed, few=0, tok=tok, cache=cache, model=model, packs=packs):
+                def step(packed, few=False, tok=tok, cache=cache, model=model, packs=packs):
                     _swap_in(packs, packed)
-                    saved, few_rows.FEW_ROWS = few_rows.FEW_ROWS, few
+                    saved = few_rows.FEW_ROWS, few_rows.MAX_ROWS
+                    if not few:  # the library products
+                        few_rows.FEW_ROWS, few_rows.MAX_ROWS = 0, 0
                     try:
                         model(tok, cache=cache, last_only=True)
                     finally:
-                        few_rows.FEW_ROWS = saved
+                        few_rows.FEW_ROWS, few_rows.MAX_ROWS = saved
                     cache.length = context
 
                 arms = {"unpacked": lambda: step(False), "packed": lambda: step(True)}
                 if few_rows.few_rows_available():
-                    arms["few-row"] = lambda: step(False, few_rows.FEW_ROWS)
+                    arms["few-row"] = lambda: step(False, True)
                 ms = _interleaved(arms, 3 if quick else 8)
                 out[f"step {spec if not quick else spec_q} batch {batch}"] = ms
             model.pack_for_decode(None)

@@ -95,20 +95,21 @@ def run(
     for m in {id(model): model, id(old_model): old_model}.values():
         if packs_for(m, batch) or (piece == "few-row GEMMs" and 4 <= batch <= 16):  # the old arm's packing
             m.pack_for_decode(batch)
-    few = few_rows_module.FEW_ROWS
+    few = few_rows_module.FEW_ROWS, few_rows_module.MAX_ROWS
     fused, heads = model_module.one_pass_rms_norm, mla_module.head_matmul
 
     def step(arm: str):
         use_old = arm == "old"
         model_module.one_pass_rms_norm = (lambda *a: None) if use_old and piece == "rms_norm" else fused
         mla_module.head_matmul = _einsum_heads if use_old and piece == "head_matmul" else heads
-        few_rows_module.FEW_ROWS = 0 if use_old and piece == "few-row GEMMs" else few
+        off = use_old and piece == "few-row GEMMs"
+        few_rows_module.FEW_ROWS, few_rows_module.MAX_ROWS = (0, 0) if off else few
         m = old_model if use_old else model
         cache = caches[arm]
         cache.length = context
         out = m(tok, cache=cache, mode=mode, last_only=True)
         model_module.one_pass_rms_norm, mla_module.head_matmul = fused, heads
-        few_rows_module.FEW_ROWS = few
+        few_rows_module.FEW_ROWS, few_rows_module.MAX_ROWS = few
         return out
 
     with torch.inference_mode():

@@ -95,10 +95,11 @@ def all_variants():
 @pytest.fixture
 def no_few_rows(monkeypatch):
     """The few-row weight kernel off (kvlm.kernels.few_rows): up to 8 rows it takes a product before any packed
-    copy, so a test of the packed products turns it off to reach them."""
+    copy, and up to 16 where none applies, so a test of the packed or library products turns it off."""
     from kvlm.kernels import few_rows
 
     monkeypatch.setattr(few_rows, "FEW_ROWS", 0)
+    monkeypatch.setattr(few_rows, "MAX_ROWS", 0)
 
 
 @pytest.fixture(autouse=True)

@@ -222,6 +222,9 @@ def test_generate_packs_by_default_only_where_it_pays(monkeypatch):
     calls = []
     orig = KVLM.pack_for_decode
     monkeypatch.setattr(KVLM, "pack_for_decode", lambda self, rows: calls.append(rows) or orig(self, rows))
+    # where the few-row kernel is, from 9 rows on packing follows the measurement (taken as won here; the test
+    # below takes the other outcome)
+    monkeypatch.setattr(generation, "packed_beats_few_rows", lambda weight, rows: True)
     for available, lowest in ((True, 9), (False, 4)):
         monkeypatch.setattr(generation, "few_rows_available", lambda available=available: available)
         calls.clear()
@@ -233,6 +236,21 @@ def test_generate_packs_by_default_only_where_it_pays(monkeypatch):
         generate(model, [[1, 2]] * (lowest - 1), 16)  # too few rows
         generate(model, [[1, 2]] * 17, 16)  # too many
         assert calls == []
+
+
+@needs_mkl
+def test_generate_does_not_pack_where_the_few_row_kernel_measured_faster(monkeypatch):
+    from kvlm.inference import generation
+    from kvlm.model import KVLM
+
+    model = build_model(_cfg("gqa", n_kv_head=2)).eval()
+    calls, measured = [], []
+    orig = KVLM.pack_for_decode
+    monkeypatch.setattr(KVLM, "pack_for_decode", lambda self, rows: calls.append(rows) or orig(self, rows))
+    monkeypatch.setattr(generation, "few_rows_available", lambda: True)
+    monkeypatch.setattr(generation, "packed_beats_few_rows", lambda w, rows: measured.append((w, rows)) and False)
+    generate(model, [[1, 2]] * 12, 16)
+    assert calls == [] and measured == [(model.lm_head.weight, 12)]
 
 
 def _spy_groups(monkeypatch) -> list[bool]:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from conftest import require_kernels, tiny_config
 
 from kvlm import build_model
-from kvlm.attention.linear import GroupPacking, Linear
+from kvlm.attention.linear import GroupPacking, Linear, packing_available
 from kvlm.bench.flops import CountFlops
 from kvlm.kernels import few_rows
 from kvlm.kernels.shared import LINEAR_CALLS
@@ -69,21 +69,55 @@ def test_it_declines_what_it_does_not_take(monkeypatch):
         assert few_rows.few_rows_linear(x, [w], [b]) is None
 
 
+def _off(monkeypatch):
+    monkeypatch.setattr(few_rows, "FEW_ROWS", 0)
+    monkeypatch.setattr(few_rows, "MAX_ROWS", 0)
+
+
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_takes_it_up_to_eight_rows(bias):
+def test_linear_takes_it_up_to_16_rows_and_a_packed_copy_from_9(bias):
+    """Up to 8 rows the kernel takes the product before any packed copy; 9-16 rows it takes those that no packed
+    copy serves; beyond, the library."""
     torch.manual_seed(0)
     lin = Linear(48, 40, bias=bias).eval()
+
+    def through_kernel(rows) -> bool:
+        x = torch.randn(rows, 1, 48)
+        before = LINEAR_CALLS["few_rows"]
+        got = lin(x)
+        torch.testing.assert_close(got.double(), _reference(x, [lin.weight], [lin.bias]), rtol=1e-5, atol=1e-5)
+        return LINEAR_CALLS["few_rows"] - before == 1
+
     with torch.no_grad():
-        for rows in (1, 3, 8, 9, 16):
-            x = torch.randn(rows, 1, 48)
-            before = LINEAR_CALLS["few_rows"]
-            got = lin(x)
-            assert (LINEAR_CALLS["few_rows"] - before == 1) == (rows <= 8)
-            torch.testing.assert_close(got.double(), _reference(x, [lin.weight], [lin.bias]), rtol=1e-5, atol=1e-5)
+        assert [through_kernel(rows) for rows in (1, 3, 8, 9, 16, 17)] == [True] * 5 + [False]
+        if packing_available(12):
+            assert lin.pack_for_decode(12)
+            assert not through_kernel(12)  # the packed copy
+            assert lin.pack_for_decode(4) and through_kernel(4)  # the kernel first
     x = torch.randn(2, 48)
     before = LINEAR_CALLS["few_rows"]
     lin(x).sum().backward()  # training: the plain product, which has a backward
     assert LINEAR_CALLS["few_rows"] == before and lin.weight.grad is not None
+
+
+def test_the_packed_product_or_the_kernel_by_measurement(monkeypatch):
+    """From 9 rows on ``generate`` packs where MKL's packed product measured faster on this machine: measured
+    once per rows and shape (a second call times nothing), either answer possible; where the kernel does not
+    take the weight, packing wins."""
+    from kvlm.attention import linear
+
+    if not packing_available(12):
+        pytest.skip("this torch build has no MKL packed GEMM")
+    w = torch.randn(200, 64)
+    reorders = []
+    real = linear._reorder
+    monkeypatch.setattr(linear, "_reorder", lambda *a: reorders.append(1) or real(*a))
+    monkeypatch.setattr(linear, "_PACKED_WINS", {})
+    answer = linear.packed_beats_few_rows(w, 12)
+    assert answer in (True, False) and len(reorders) == 1
+    assert linear.packed_beats_few_rows(w, 12) == answer and len(reorders) == 1
+    _off(monkeypatch)
+    assert linear.packed_beats_few_rows(w, 13)
 
 
 def _decode(model, B, n_new=1):
@@ -117,7 +151,7 @@ def test_the_step_runs_its_products_through_it_with_the_same_logits(attention, e
     assert len(groups) == model.cfg.n_layer * (2 if attention in ("mha", "gqa") else 1)
     grouped = sum(len(names) for names in groups)
     for B, n_new in ((3, 1), (1, 3)):
-        monkeypatch.setattr(few_rows, "FEW_ROWS", 0)
+        _off(monkeypatch)
         want, calls, products = _decode(model, B, n_new)
         monkeypatch.undo()
         assert calls == 0
@@ -135,7 +169,7 @@ def test_a_step_through_it_counts_the_same_flops(monkeypatch):
     totals = []
     for on in (True, False):
         if not on:
-            monkeypatch.setattr(few_rows, "FEW_ROWS", 0)
+            _off(monkeypatch)
         cache = model.new_cache(4, 16)
         before = LINEAR_CALLS["few_rows"]
         with torch.inference_mode(), CountFlops() as c:
@@ -145,14 +179,15 @@ def test_a_step_through_it_counts_the_same_flops(monkeypatch):
     assert totals[0] > 0 and totals[0] == totals[1]
 
 
-def test_the_compiled_step_runs_the_same_products_through_it():
-    """Under torch.compile the products go through the operator kvlm::packed_linear, which runs the kernel: as
-    many kernel calls as the eager step, the same logits."""
+@pytest.mark.parametrize("batch", [2, 12])
+def test_the_compiled_step_runs_the_same_products_through_it(batch):
+    """Under torch.compile the products go through the operator kvlm::packed_linear, which runs the kernel (at 12
+    rows: as no packed copy serves them): as many kernel calls as the eager step, the same logits."""
     torch.manual_seed(0)
     model = build_model(tiny_config("mla", kv_lora_rank=48, rope_head_dim=8, max_seq_len=32)).eval()
-    cache = model.new_cache(2, 24)
+    cache = model.new_cache(batch, 24)
     cache.fill_random_(5, model.cfg.vocab_size)
-    tok = torch.randint(0, model.cfg.vocab_size, (2, 1))
+    tok = torch.randint(0, model.cfg.vocab_size, (batch, 1))
     torch._dynamo.reset()
     step = torch.compile(lambda t: model(t, cache=cache))
     with torch.inference_mode():

@@ -10,12 +10,14 @@ autograd:
 - A packed copy, made once at decode time (parameters and state dict untouched, dropped by ``train(True)``,
   moves, casts or any write to the weight):
   - ``pack_for_decode(rows)``, rows an int: MKL's packed sgemm layout for products of exactly ``rows`` rows
-    (what Inductor's freezing uses for a static batch; ``generate`` packs at batch 9-16, or 4-16 where the
-    few-row kernel is missing). Other row counts take the unpacked path.
+    (what Inductor's freezing uses for a static batch; ``generate`` packs at batch 9-16 where it measured
+    faster than the few-row kernel, ``packed_beats_few_rows``, or at 4-16 where that kernel is missing). Other
+    row counts take the unpacked path.
   - ``pack_for_decode(ANY_ROWS)``: oneDNN's blocked layout, which serves any row count (what Inductor uses for a
     dynamic batch): the serving engine, whose steps have any number of rows. Measured on this project's 2-core
     Intel machine, the reference shape's weights at 1 thread: 8 / 16 / 32 rows 51 / 61 / 101 ms against
     104 / 96 / 149 ms unpacked and 41 / 50 / 89 ms for MKL's layout packed for exactly that count.
+- Up to ``MAX_ROWS`` (16) rows that no packed copy serves, the few-row kernel again.
 - Unpacked, 4-16 rows run as W x^T, which MKL streams faster than x W^T (the 32000 x 768 LM head at batch 8:
   12.4 ms against 25.6 ms on Intel); others F.linear.
 
@@ -28,13 +30,15 @@ input).
 from __future__ import annotations
 
 import math
+import statistics
+import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import register_flop_formula
 
-from kvlm.kernels.few_rows import few_rows_fit, few_rows_linear
+from kvlm.kernels.few_rows import MAX_ROWS, few_rows_available, few_rows_fit, few_rows_linear
 from kvlm.kernels.library import packed_linear, register_packed
 
 ANY_ROWS = "any"  # pack_for_decode(ANY_ROWS): one layout for products of any number of rows (oneDNN)
@@ -63,6 +67,40 @@ def _packed_product(x, packed, shape_weight, bias, rows: int | str) -> torch.Ten
     if rows == ANY_ROWS:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return torch.ops.mkl._mkl_linear(x, packed, shape_weight, bias, rows)
+
+
+_PACKED_WINS: dict[tuple, bool] = {}  # packed_beats_few_rows' measurements, by (rows, weight shape, threads)
+
+
+def packed_beats_few_rows(weight: torch.Tensor, rows: int, rounds: int = 5) -> bool:
+    """Whether MKL's product on weights packed for ``rows`` rows beats the few-row kernel on this machine: both
+    timed on ``weight`` (a decode step passes its LM head, the largest product) in ``rounds`` interleaved rounds,
+    once per process for each (rows, shape, threads). From 9 rows on the winner depends on the CPU
+    (``kvlm.kernels.few_rows``). False where MKL's packing is missing, True where the kernel is."""
+    if not packing_available(rows):
+        return False
+    if not few_rows_available() or rows > MAX_ROWS:
+        return True
+    key = (rows, tuple(weight.shape), torch.get_num_threads())
+    if key not in _PACKED_WINS:
+        with torch.no_grad():
+            w = weight.detach().contiguous()
+            packed = _reorder(w, rows)
+            x = torch.randn(rows, w.shape[1], dtype=w.dtype)
+            if few_rows_linear(x, [w], [None], count=False, first=False) is None:
+                return True  # the kernel does not take this weight
+            arms = {
+                "packed": lambda: _packed_product(x, packed, w, None, rows),
+                "few": lambda: few_rows_linear(x, [w], [None], count=False, first=False),
+            }
+            times: dict[str, list[float]] = {k: [] for k in arms}
+            for _ in range(rounds):
+                for k, f in arms.items():
+                    t0 = time.perf_counter()
+                    f()
+                    times[k].append(time.perf_counter() - t0)
+        _PACKED_WINS[key] = statistics.median(times["packed"]) < statistics.median(times["few"])
+    return _PACKED_WINS[key]
 
 
 def _applies(rows: int | str, n: int) -> bool:
@@ -137,12 +175,14 @@ class Linear(nn.Linear):
         rows = x.numel() // x.shape[-1] if x.numel() else 0
         if x.device.type == "cpu":
             if torch.compiler.is_compiling():
-                if not torch.is_grad_enabled() and (self._packed is not None or few_rows_fit(x)):
+                if not torch.is_grad_enabled() and (self._packed is not None or few_rows_fit(x, first=False)):
                     return packed_linear(x, [self.weight], [self.bias])  # no backward: no grad only
             else:
                 y = few_rows_linear(x, [self.weight], [self.bias])
                 if y is None and self._packed is not None:
                     y = self._packed_for(x, rows)
+                if y is None:  # 9-16 rows that no packed copy serves
+                    y = few_rows_linear(x, [self.weight], [self.bias], first=False)
                 if y is not None:
                     return y
         if rows < self.min_rows or rows > self.small_rows or x.device.type != "cpu":
@@ -272,13 +312,19 @@ class GroupPacking(nn.Module):
         if torch.compiler.is_compiling():
             if x.device.type != "cpu" or torch.is_grad_enabled():  # the operator has no backward
                 return None
-            if group is None and not few_rows_fit(x):
+            if group is None and not few_rows_fit(x, first=False):
                 return None
             y = packed_linear(x, weights, biases)
         else:
             y = few_rows_linear(x, weights, biases)
+            if y is None and group is not None:
+                ys = group.outputs(linears, x)
+                if ys is not None:
+                    return ys
             if y is None:
-                return None if group is None else group.outputs(linears, x)
+                y = few_rows_linear(x, weights, biases, first=False)
+            if y is None:
+                return None
         return list(y.split([w.shape[0] for w in weights], dim=-1))
 
     def train(self, mode: bool = True):

@@ -21,9 +21,10 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kvlm.attention.base import MODES
+from kvlm.attention.linear import packed_beats_few_rows
 from kvlm.cache import CacheError
 from kvlm.inference.sampling import StopTracker, check_sampling, sample
-from kvlm.kernels.few_rows import FEW_ROWS, few_rows_available
+from kvlm.kernels.few_rows import FEW_ROWS, MAX_ROWS, few_rows_available
 from kvlm.logs import get_logger
 
 logger = get_logger(__name__)
@@ -60,7 +61,8 @@ def generate(
     model's dtype and device.
     pack_weights: decode with the weights in MKL's packed GEMM layout for this batch (``KVLM.pack_for_decode``;
     CPU float32 only; a second copy of the weights while it runs). None: where ``packs_for`` says it pays (batch
-    9-16, or 4-16 without the few-row kernel) and at least ``PACK_MIN_STEPS`` decode steps on CPU float32.
+    9-16 where MKL measured faster than the few-row kernel, 4-16 without that kernel) and at least
+    ``PACK_MIN_STEPS`` decode steps on CPU float32.
     Weights the caller packed for this batch beforehand are used and kept.
     compile: run the decode steps through ``torch.compile`` (the prefill stays eager): kvlm's CPU kernels and
     packed products enter its graph as custom operators (``kvlm.kernels.library``), so a step loses most of its
@@ -168,13 +170,16 @@ PACK_MIN_STEPS = 16  # packing the reference shape's 260 MB of weights takes ~0.
 
 def packs_for(model, batch: int) -> bool:
     """Whether decode at ``batch`` sequences gains from packed weights: a kvlm model on CPU in float32, batch
-    9-16 (up to 8 rows the few-row kernel is faster, kvlm.kernels.few_rows), or 4-16 where that kernel is
-    missing (below 4 rows F.linear streams the weights as fast, benchmarks/decode_limit.py "GEMMs alone")."""
+    4-16 where the few-row kernel (kvlm.kernels.few_rows) is missing (below 4 rows F.linear streams the weights
+    as fast, benchmarks/decode_limit.py "GEMMs alone"); where it is present, batch 9-16 (up to 8 rows it is
+    faster) if MKL's packed product measured faster than it on this machine (``packed_beats_few_rows``, on the
+    LM head: once per process and batch)."""
     p = model.embed.weight
     if not hasattr(model, "pack_for_decode") or p.device.type != "cpu" or p.dtype != torch.float32:
         return False
-    lowest = FEW_ROWS + 1 if few_rows_available() else 4
-    return lowest <= batch <= 16
+    if not few_rows_available():
+        return 4 <= batch <= MAX_ROWS
+    return FEW_ROWS < batch <= MAX_ROWS and packed_beats_few_rows(model.lm_head.weight, batch)
 
 
 def _pack(model, batch: int, max_new_tokens: int, pack_weights: bool | None) -> bool:

@@ -9,8 +9,11 @@ reference shape's 268 MB of weights, 2 threads (``benchmarks/few_rows_gemm.py``;
 | AMD EPYC (Zen 5) | 1 / 2 / 8 | 16.4 / 29.9 / 25.4 | - / 20.1 / 24.6 | 4.8 / 5.2 / 7.6 |
 | Intel Xeon 2.5 GHz | 1 / 2 / 8 | 15.7 / 16.0 / 43.1 | - / 18.5 / 21.5 | 14.9 / 15.5 / 20.4 |
 
-So up to ``FEW_ROWS`` rows ``kvlm.attention.linear.Linear`` takes it before any packed copy (and ``generate``
-packs only above that); beyond, where the products become compute-dense, the GEMM libraries' packed layouts.
+So up to ``FEW_ROWS`` rows ``kvlm.attention.linear.Linear`` takes it before any packed copy. From 9 to
+``MAX_ROWS`` rows the products become compute-dense and which path wins depends on the CPU: at 16 rows the
+kernel streamed the weights in 11.4 ms against MKL packed 29.7 on the AMD EPYC, 33.5 against 26.2 on the Intel
+Xeon. There it runs where no packed copy applies, and ``generate`` packs where MKL measured faster on this
+machine (``kvlm.attention.linear.packed_beats_few_rows``).
 """
 
 from __future__ import annotations
@@ -20,14 +23,17 @@ import torch
 from kvlm.kernels.cpu import extension
 from kvlm.kernels.shared import LINEAR_CALLS, count_flops
 
-FEW_ROWS = 8  # rows up to which the kernel takes the product (faster than every library path measured, above)
+FEW_ROWS = 8  # rows up to which the kernel takes the product first (faster than every library path measured)
+MAX_ROWS = 16  # rows up to which it takes the products that no packed copy serves
 
 
-def few_rows_fit(x: torch.Tensor) -> bool:
-    """Whether products of ``x`` have the shape and kind the kernel takes: 1 to ``FEW_ROWS`` rows of float32 on
-    CPU. (The weights and the kernel's presence are checked when it runs.)"""
+def few_rows_fit(x: torch.Tensor, first: bool = True) -> bool:
+    """Whether products of ``x`` have the shape and kind the kernel takes: float32 on CPU, 1 to ``FEW_ROWS`` rows
+    (``first``: before any packed copy) or to ``MAX_ROWS`` (those no packed copy serves). (The weights and the
+    kernel's presence are checked when it runs.)"""
     k = x.shape[-1]
-    return x.device.type == "cpu" and x.dtype == torch.float32 and k > 0 and 0 < x.numel() <= FEW_ROWS * k
+    most = FEW_ROWS if first else MAX_ROWS
+    return x.device.type == "cpu" and x.dtype == torch.float32 and k > 0 and 0 < x.numel() <= most * k
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # not a tensor subclass (a tensor-parallel DTensor, as a Parameter too)
@@ -45,14 +51,19 @@ def few_rows_available() -> bool:
 
 
 def few_rows_linear(
-    x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None], count: bool = True
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    biases: list[torch.Tensor | None],
+    count: bool = True,
+    first: bool = True,
 ) -> torch.Tensor | None:
     """[x W_1^T + b_1, ..., x W_n^T + b_n] concatenated on the last axis (x (..., K), W_i (N_i, K)) by the
-    few-row kernel, or None where it does not apply: other shapes or dtypes (``few_rows_fit``), weights or
-    biases not plain contiguous float32 CPU tensors, autograd recording, under torch.compile (the operator
-    ``kvlm::packed_linear`` calls this when it runs), kernels disabled or no AVX-512. ``count``: add its FLOPs to
-    the kernels' running total (torch's FLOP counter does not see the extension)."""
-    if type(x) not in _PLAIN or not few_rows_fit(x) or torch.compiler.is_compiling():
+    few-row kernel, or None where it does not apply: other shapes or dtypes (``few_rows_fit``: up to ``FEW_ROWS``
+    rows when ``first``, else ``MAX_ROWS``), weights or biases not plain contiguous float32 CPU tensors, autograd recording,
+    under torch.compile (the operator ``kvlm::packed_linear`` calls this when it runs), kernels disabled or no
+    AVX-512. ``count``: add its FLOPs to the kernels' running total (torch's FLOP counter does not see the
+    extension)."""
+    if type(x) not in _PLAIN or not few_rows_fit(x, first) or torch.compiler.is_compiling():
         return None
     if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
         return None

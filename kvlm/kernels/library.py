@@ -75,14 +75,16 @@ def register_packed(weights: list[torch.Tensor], owner) -> None:
 @torch.library.custom_op("kvlm::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> torch.Tensor:
     """[x W_1^T + b_1, ..., x W_n^T + b_n] (concatenated on the last axis) as the eager step computes it: by the
-    few-row kernel where it applies, else through the packed copy registered for these weights, else through
-    F.linear (the same values to float32 rounding). Its FLOPs are counted by the formula registered for it."""
+    few-row kernel up to 8 rows, else through the packed copy registered for these weights, else by the kernel
+    up to 16 rows, else through F.linear (the same values to float32 rounding). Its FLOPs are counted by the formula registered for it."""
     y = few_rows_linear(x, weights, biases, count=False)
     if y is not None:
         return y
     ref = _PACKED.get(tuple(w.data_ptr() for w in weights))
     owner = ref() if ref is not None else None
     y = owner.packed_outputs(weights, x) if owner is not None else None
+    if y is None:  # 9-16 rows that no packed copy serves
+        y = few_rows_linear(x, weights, biases, count=False, first=False)
     if y is None:
         ys = [F.linear(x, w, b) for w, b in zip(weights, biases)]
         y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
