@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-from kvlm.bench import make_plan, run
 from kvlm.attention.linear import packed_beats_few_rows
+from kvlm.bench import make_plan, run
 from kvlm.bench.measure import fill_cache
 from kvlm.kernels import few_rows
 from kvlm.model import build_model
