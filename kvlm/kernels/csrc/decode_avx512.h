@@ -142,6 +142,15 @@ inline __m512 score16(const float* q, int64_t qs, const float* qr, int64_t qrs, 
   __m512 a[16];
   for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
   const int64_t Dk16 = Dk & ~int64_t(15);
+  if constexpr (RB == 1) {  // one query row (MHA): each key row read whole, in memory order (measured on an AMD
+                            // EPYC: MHA's kernel 1.11-1.13x faster than the feature-major order below)
+    for (int i = 0; i < pls * (Dk16 / 16); ++i) _mm_prefetch(*pf++, _MM_HINT_T1);
+    if (pk)
+      for (int y = 0; y < KB; ++y)
+        for (int64_t d = 0; d < Dk16; d += line) _mm_prefetch(pk[y] + d * ES, _MM_HINT_T1);
+    for (int y = 0; y < KB; ++y)
+      for (int64_t d = 0; d < Dk16; d += 16) a[y] = _mm512_fmadd_ps(_mm512_load_ps(q + d), load<DT>(k[y] + d * ES), a[y]);
+  } else
   for (int64_t d = 0; d < Dk16; d += 16) {
     __m512 qv[RB];
     for (int x = 0; x < RB; ++x) qv[x] = _mm512_load_ps(q + x * qs + d);
