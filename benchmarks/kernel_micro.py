@@ -61,9 +61,9 @@ def build_baseline(rev: str, defines: tuple[str, ...] = ()):
                 verbose=False)  # fmt: skip
 
 
-def make_case(name, H, G, latent, D, dR, store, B, S, T):
+def make_case(name, H, G, latent, D, dR, store, B, S, T, seed=0):
     """Arguments of decode_attention for one layer: B sequences of S cached tokens, contiguous (one page each)."""
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
     table = torch.arange(B, dtype=torch.int32)[:, None]
     start, end = torch.zeros(B, dtype=torch.int32), torch.full((B,), S, dtype=torch.int32)
     if latent:
@@ -101,6 +101,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--repeats", type=int, default=9, help="interleaved rounds (medians)")
+    ap.add_argument("--layers", type=int, default=3,
+                    help="distinct caches, called in turn, so that a layer is not read from the last level cache")
     ap.add_argument("--cases", default=",".join(c[0] for c in CASES))
     ap.add_argument("--no-hardware", action="store_true", help="skip the bandwidth / peak measurement")
     a = ap.parse_args()
@@ -126,13 +128,17 @@ def main() -> None:
         if name not in wanted:
             continue
         T = 4 if name.endswith("T4") else 1
-        args, flops, nbytes = make_case(name, H, G, latent, D, dR, store, a.batch, a.context, T)
+        layers = [make_case(name, H, G, latent, D, dR, store, a.batch, a.context, T, seed=i) for i in range(a.layers)]
+        _, flops, nbytes = layers[0]
         times = {k: [] for k in mods}
         for m in mods.values():
-            m.decode_attention(*args)  # warm
+            m.decode_attention(*layers[-1][0])  # warm
         with torch.inference_mode():
+            calls = 0
             for _ in range(a.repeats):
                 for k, m in mods.items():
+                    args = layers[calls % a.layers][0]  # each call a layer the last ones did not read
+                    calls += 1
                     t0 = time.perf_counter()
                     m.decode_attention(*args)
                     times[k].append(time.perf_counter() - t0)

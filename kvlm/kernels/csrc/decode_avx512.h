@@ -13,13 +13,18 @@
 // the RoPE part) and into its P value, so the codes are used as they are. With more rows (MLA) each tile is
 // widened once into a float tile, which costs fewer conversions than widening in every pass (measured: 3 %).
 // For MLA the key and the value are the same latent row: a tile is read from memory once for both (it stays in
-// L1 between the two passes). Later tiles' rows are prefetched into L2 (the hardware prefetcher does not follow
-// the block table across pages; see kPrefetchTiles for how: spread over a tile's work, or in a burst).
-// Build knobs, for measuring only: KVLM_NO_PREFETCH, KVLM_PREFETCH_TILES=n, KVLM_WIDEN_ROWS=n, KVLM_NO_AVX512
-// (the portable path).
+// L1 between the two passes). Later tiles' rows are prefetched (the hardware prefetcher does not follow the
+// block table across pages; see kPrefetchTiles for how: spread over a tile's work, or in a burst).
+// Build knobs, for measuring only: KVLM_NO_PREFETCH, KVLM_PREFETCH_TILES=n, KVLM_WIDEN_ROWS=n, KVLM_PF_HINT=hint,
+// KVLM_NARROW_TILE=n (decode_core.h), KVLM_NO_AVX512 (the portable path).
 #pragma once
 
 #include <immintrin.h>
+
+#ifndef KVLM_PF_HINT  // software prefetches into L1 (measured on the AMD EPYC: MLA 1.05-1.12x, MHA 1.02-1.04x
+                      // faster than into L2 with _MM_HINT_T1; _MM_HINT_NTA between the two)
+#define KVLM_PF_HINT _MM_HINT_T0
+#endif
 
 namespace kvlm_decode {
 namespace avx512 {
@@ -144,19 +149,20 @@ inline __m512 score16(const float* q, int64_t qs, const float* qr, int64_t qrs, 
   const int64_t Dk16 = Dk & ~int64_t(15);
   if constexpr (RB == 1) {  // one query row (MHA): each key row read whole, in memory order (measured on an AMD
                             // EPYC: MHA's kernel 1.11-1.13x faster than the feature-major order below)
-    for (int i = 0; i < pls * (Dk16 / 16); ++i) _mm_prefetch(*pf++, _MM_HINT_T1);
-    if (pk)
-      for (int y = 0; y < KB; ++y)
-        for (int64_t d = 0; d < Dk16; d += line) _mm_prefetch(pk[y] + d * ES, _MM_HINT_T1);
-    for (int y = 0; y < KB; ++y)
+    for (int i = 0; i < pls * (Dk16 / 16); ++i) _mm_prefetch(*pf++, KVLM_PF_HINT);
+    for (int y = 0; y < KB; ++y) {  // the next tile's row y prefetched beside row y's loads (measured: 1.08-1.12x
+                                    // faster than all 16 rows' lines issued at once, which fill the miss buffers)
+      if (pk)
+        for (int64_t d = 0; d < Dk16; d += line) _mm_prefetch(pk[y] + d * ES, KVLM_PF_HINT);
       for (int64_t d = 0; d < Dk16; d += 16) a[y] = _mm512_fmadd_ps(_mm512_load_ps(q + d), load<DT>(k[y] + d * ES), a[y]);
+    }
   } else
   for (int64_t d = 0; d < Dk16; d += 16) {
     __m512 qv[RB];
     for (int x = 0; x < RB; ++x) qv[x] = _mm512_load_ps(q + x * qs + d);
-    for (int i = 0; i < pls; ++i) _mm_prefetch(*pf++, _MM_HINT_T1);
+    for (int i = 0; i < pls; ++i) _mm_prefetch(*pf++, KVLM_PF_HINT);
     if (pk && d % line == 0)
-      for (int y = 0; y < KB; ++y) _mm_prefetch(pk[y] + d * ES, _MM_HINT_T1);
+      for (int y = 0; y < KB; ++y) _mm_prefetch(pk[y] + d * ES, KVLM_PF_HINT);
     for (int y = 0; y < KB; ++y) {
       const __m512 kv = load<DT>(k[y] + d * ES);
       for (int x = 0; x < RB; ++x) a[x * KB + y] = _mm512_fmadd_ps(qv[x], kv, a[x * KB + y]);
@@ -176,9 +182,9 @@ inline __m512 score16(const float* q, int64_t qs, const float* qr, int64_t qrs, 
     }
   for (int64_t d = 0; d < Dr; d += 16) {
     const __mmask16 m = d + 16 <= Dr ? static_cast<__mmask16>(0xFFFF) : tail_mask(Dr);
-    for (int i = 0; i < pls; ++i) _mm_prefetch(*pf++, _MM_HINT_T1);
+    for (int i = 0; i < pls; ++i) _mm_prefetch(*pf++, KVLM_PF_HINT);
     if (pkr)
-      for (int y = 0; y < KB; ++y) _mm_prefetch(pkr[y] + 4 * d, _MM_HINT_T1);
+      for (int y = 0; y < KB; ++y) _mm_prefetch(pkr[y] + 4 * d, KVLM_PF_HINT);
     for (int y = 0; y < KB; ++y) {
       const __m512 kv = _mm512_maskz_loadu_ps(m, reinterpret_cast<const float*>(kr[y]) + d);
       for (int x = 0; x < RB; ++x) a[x * KB + y] = _mm512_fmadd_ps(_mm512_load_ps(qr + x * qrs + d), kv, a[x * KB + y]);
@@ -204,9 +210,9 @@ inline void value_block(const float* p, int ps, const char* const* v, int n, int
     __m512 vv[ZC];
     for (int z = 0; z < ZC; ++z)
       vv[z] = FULL ? load<DT>(v[j] + (d0 + 16 * z) * ES) : load<DT>(v[j] + (d0 + 16 * z) * ES, mk[z]);
-    for (int i = 0; i < pls; ++i) _mm_prefetch(*pf++, _MM_HINT_T1);
+    for (int i = 0; i < pls; ++i) _mm_prefetch(*pf++, KVLM_PF_HINT);
     if (pv)
-      for (int off = 0; off < 16 * ZC * ES; off += 64) _mm_prefetch(pv[j] + d0 * ES + off, _MM_HINT_T1);
+      for (int off = 0; off < 16 * ZC * ES; off += 64) _mm_prefetch(pv[j] + d0 * ES + off, KVLM_PF_HINT);
     for (int x = 0; x < RB; ++x) {
       const __m512 px = _mm512_set1_ps(p[x * ps + j]);
       for (int z = 0; z < ZC; ++z) a[x][z] = _mm512_fmadd_ps(px, vv[z], a[x][z]);
@@ -305,7 +311,7 @@ inline void widen(const char* const* rows, const float* scales, int n, int64_t D
   for (int j = n; j < TILE; ++j) out[j] = zero;
 }
 
-// Software prefetch of later tiles into L2 (the hardware prefetcher does not follow the block table across
+// Software prefetch of later tiles (the hardware prefetcher does not follow the block table across
 // pages). With many rows (MLA: compute-heavy tiles) the lines of the tile kPrefetchTiles ahead are issued a few
 // per step of the micro-kernels' loops, spread over the whole tile, so memory streams while the FMAs run
 // (measured, MLA fp32 at 4096 keys: 12-20 % faster than issuing them from the first row block, whose burst
@@ -395,7 +401,7 @@ void attend_range(const Job& J, const float* q, const float* qr, int64_t b, int6
   for (int64_t r = 0; r < R; ++r) lv[r] = _mm512_set_ps(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, l[r]);
   for (int k = 1; spread && k < kPrefetchTiles; ++k) {  // the tiles before the first one prefetched in the loop
     for (const char* const *p = pl_v.data(), *const* e = list_lines(j0 + k * TILE); p < e; ++p)
-      _mm_prefetch(*p, _MM_HINT_T1);
+      _mm_prefetch(*p, KVLM_PF_HINT);
   }
   auto fill = [&](int c, int64_t t) {  // the rows of the tile at t into slot c (nothing past j1)
     const int n = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(TILE, j1 - t)));

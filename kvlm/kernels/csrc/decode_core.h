@@ -448,6 +448,9 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && KVLM_VEC_BYTES == 64 && \
     !defined(KVLM_NO_AVX512)
 #define KVLM_AVX512 1
+#ifndef KVLM_NARROW_TILE
+#define KVLM_NARROW_TILE 32
+#endif
 }  // namespace kvlm_decode
 #include "decode_avx512.h"
 namespace kvlm_decode {
@@ -476,7 +479,7 @@ void attend_range(const Job& J, const T* q, const T* qr, int64_t b, int64_t g, i
         } else if (wide) {
           avx512::attend_range<DT, 16, false>(J, q, qr, b, g, j0, j1, lo, hi, m, l, acc);
         } else {
-          avx512::attend_range<DT, 32, false>(J, q, qr, b, g, j0, j1, lo, hi, m, l, acc);
+          avx512::attend_range<DT, KVLM_NARROW_TILE, false>(J, q, qr, b, g, j0, j1, lo, hi, m, l, acc);
         }
       };
       if (dt == DType::f32) run(std::integral_constant<DType, DType::f32>());
