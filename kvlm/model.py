@@ -22,21 +22,10 @@ from torch import nn
 
 from kvlm.attention import Attention, GateEmbedding, Step, get_attention_class
 from kvlm.attention.base import GroupPacking, Linear
+from kvlm.attention.norm import RMSNorm
 from kvlm.cache import CacheError, KVCache
 from kvlm.config import ModelConfig
 from kvlm.hugepages import move_to_huge_pages_
-from kvlm.kernels import rms_norm as one_pass_rms_norm
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = one_pass_rms_norm(x, self.weight, self.eps)  # one pass at inference on CPU; None elsewhere
-        return y if y is not None else F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 class Dropout(nn.Dropout):

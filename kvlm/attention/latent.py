@@ -53,6 +53,7 @@ from torch import nn
 
 from kvlm.attention.base import MATERIALISED, Attention, Linear, Step, require
 from kvlm.attention.latent_ops import attend_padded, attend_split, rope_keys_per_head
+from kvlm.attention.norm import RMSNorm
 from kvlm.attention.rope import RotaryEmbedding, apply_rope
 from kvlm.cache import CacheError
 from kvlm.config import ModelConfig, spec_numel
@@ -128,7 +129,7 @@ class LatentAttention(Attention):
         self.q_norm = None
         if dq:  # query path, Eqs. 37-40
             self.wq_a = Linear(d, dq, bias=bias)
-            self.q_norm = nn.RMSNorm(dq, eps=cfg.norm_eps) if cfg.latent_norm else None
+            self.q_norm = RMSNorm(dq, eps=cfg.norm_eps) if cfg.latent_norm else None
             self.wq_b = Linear(dq, width, bias=bias)
         else:
             self.wq = Linear(d, width, bias=bias)
@@ -139,7 +140,7 @@ class LatentAttention(Attention):
         if cfg.latent_norm:
             eps = cfg.norm_eps
             single = rows == 1 and not self.block_layout
-            self.kv_norm = nn.RMSNorm(self.d_lat, eps=eps) if single else BlockRMSNorm(rows, self.d_lat, eps)
+            self.kv_norm = RMSNorm(self.d_lat, eps=eps) if single else BlockRMSNorm(rows, self.d_lat, eps)
         if self.block_layout:
             self.wkv_b = BlockLinear(self.n_blocks, self.d_lat, self.r * 2 * dh)
         else:

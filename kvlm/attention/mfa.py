@@ -11,10 +11,10 @@ import math
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from kvlm import kernels
 from kvlm.attention.base import Attention, Linear, Step, attend
+from kvlm.attention.norm import RMSNorm
 from kvlm.attention.registry import register
 from kvlm.attention.rope import RotaryEmbedding, apply_rope
 
@@ -35,7 +35,7 @@ class MultiMatrixFactorizationAttention(Attention):
         if cfg.q_lora_rank:
             self.wq_a = Linear(cfg.d_model, cfg.q_lora_rank, bias=cfg.bias)  # W^CQ
             if cfg.latent_norm:
-                self.q_norm = nn.RMSNorm(cfg.q_lora_rank, eps=cfg.norm_eps)
+                self.q_norm = RMSNorm(cfg.q_lora_rank, eps=cfg.norm_eps)
             self.wq_b = Linear(cfg.q_lora_rank, h * dh, bias=cfg.bias)  # W^UQ
             self.alpha_q = math.sqrt(cfg.d_model / cfg.q_lora_rank) if cfg.latent_scaling else 1.0
         else:
