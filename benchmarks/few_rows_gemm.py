@@ -8,7 +8,8 @@ prefetch distance as an argument (the package's, kvlm/kernels/csrc/few_rows.h, f
 
 Weights: the reference shape's projections (fused q/k/v, output, fused gate/up, down; 6 layers) and the LM head,
 268 MB, allocated in 2 MiB pages as ``prepare_for_inference`` leaves them. Each line: the median over rounds of
-the time to stream them all once, and the rate in GB/s of weights read; ``few pfN`` prefetches N bytes ahead.
+the time to stream them all once, and the rate in GB/s of weights read; ``few pfN`` prefetches N bytes ahead;
+``MKL packed``: MKL's layout for exactly M rows; ``oneDNN packed``: oneDNN's blocked layout for any M (ANY_ROWS).
 """
 
 from __future__ import annotations
@@ -70,6 +71,10 @@ def main() -> None:
             calls["MKL packed"] = lambda xs=xs, packed=packed, M=M: [
                 torch.ops.mkl._mkl_linear(xs[w.shape[1]], p, w, None, M) for w, p in zip(weights, packed)
             ]
+        blocked = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]  # ANY_ROWS: any M
+        calls["oneDNN packed"] = lambda xs=xs, blocked=blocked: [
+            torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "") for w, p in zip(weights, blocked)
+        ]
         times: dict = {k: [] for k in calls}
         with torch.inference_mode():
             for _ in range(args.rounds):
