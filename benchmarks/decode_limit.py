@@ -33,9 +33,9 @@ from pathlib import Path
 
 import torch
 
-from kvlm.attention.linear import packed_beats_few_rows
 from kvlm.bench import make_plan, run
 from kvlm.bench.measure import fill_cache
+from kvlm.inference.generation import packs_for
 from kvlm.kernels import few_rows
 from kvlm.model import build_model
 
@@ -123,13 +123,10 @@ def _multi_token_batch(model, cfg, batch, context, quick):
     for T in (1, 2, 4, 8, 16):
         tok = torch.randint(0, cfg.vocab_size, (batch, T))
         # weights packed for the call's B T rows (KVLM.pack_for_decode) as generate decides for a batch of that
-        # many rows (packs_for), beyond 16 rows always, except below 4 rows where it does not pay
+        # many rows (packs_for), beyond 16 rows always (MKL's layout for them), below 4 rows never
         rows = batch * T
-        if few_rows.few_rows_available():
-            pack = rows > few_rows.FEW_ROWS and packed_beats_few_rows(model.lm_head.weight, rows)
-        else:
-            pack = rows >= 4
-        model.pack_for_decode(rows if pack else None)
+        layout = packs_for(model, rows) if rows <= few_rows.MAX_ROWS else rows
+        model.pack_for_decode(layout)
         packs = _packs(model)
         for mode in ("auto", "expand") if T in (1, 4, 16) else ("auto",):
             trace: list = []

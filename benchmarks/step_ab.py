@@ -26,8 +26,8 @@ import time
 import torch
 
 import kvlm.attention.mla as mla_module
+import kvlm.attention.norm as model_module
 import kvlm.kernels.few_rows as few_rows_module
-import kvlm.model as model_module
 from kvlm import hugepages
 from kvlm.bench.plan import parse_variant
 from kvlm.inference.generation import packs_for
@@ -93,8 +93,11 @@ def run(
     caches["new"] = caches["old"] if piece != "huge-page cache" else _cache(model, batch, context, True)
     tok = torch.randint(0, model.cfg.vocab_size, (batch, 1))
     for m in {id(model): model, id(old_model): old_model}.values():
-        if packs_for(m, batch) or (piece == "few-row GEMMs" and 4 <= batch <= 16):  # the old arm's packing
-            m.pack_for_decode(batch)
+        layout = packs_for(m, batch)
+        if layout is None and piece == "few-row GEMMs" and 4 <= batch <= 16:  # the old arm's packing
+            layout = batch
+        if layout is not None:
+            m.pack_for_decode(layout)
     few = few_rows_module.FEW_ROWS, few_rows_module.MAX_ROWS
     fused, heads = model_module.one_pass_rms_norm, mla_module.head_matmul
 

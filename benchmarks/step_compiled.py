@@ -39,8 +39,9 @@ def case(spec: str, batch: int, context: int, shape: dict, rounds: int) -> dict:
     cache = model.new_cache(batch, context + 2 * rounds + 8)
     cache.fill_random_(context, cfg.vocab_size)
     tok = torch.randint(0, cfg.vocab_size, (batch, 1))
-    if packs_for(model, batch):
-        model.pack_for_decode(batch)  # as generate; the compiled step goes around it
+    layout = packs_for(model, batch)
+    if layout is not None:
+        model.pack_for_decode(layout)  # as generate; the compiled step goes around it
 
     def eager(t):
         return model(t, cache=cache, mode=mode, last_only=True)

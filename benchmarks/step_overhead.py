@@ -84,8 +84,8 @@ def one(spec: str, batch: int, shape: dict, hw: dict, reps: int) -> dict:
     packs = packs_for(model, batch)
     grouped = [m for m in model.modules() if hasattr(m, "group_outputs")]
     head = model.lm_head
-    if packs:
-        model.pack_for_decode(batch)
+    if packs is not None:
+        model.pack_for_decode(packs)
         groups = {m: m.__dict__["_decode_groups"] for m in grouped}
         singles = {m: m.__dict__.get("_packed") for m in model.modules() if hasattr(m, "unpack")}
         for m in model.modules():  # every Linear also packed alone, for the "groups off" arm

@@ -58,8 +58,9 @@ def kernels_recorded():
 
 def profile_step(spec: str, batch: int, shape: dict) -> dict:
     _, model, mode, cache, tok = short_step(spec, batch, shape)
-    if packs_for(model, batch):
-        model.pack_for_decode(batch)
+    layout = packs_for(model, batch)
+    if layout is not None:
+        model.pack_for_decode(layout)
 
     def step():
         cache.length = 1  # every step sees the same single cached token

@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import kvlm.attention.linear as linear_module
 from kvlm.attention.base import Linear
 from kvlm.attention.linear import ANY_ROWS, packing_available
 from kvlm.config import ModelConfig
@@ -222,9 +223,9 @@ def test_generate_packs_by_default_only_where_it_pays(monkeypatch):
     calls = []
     orig = KVLM.pack_for_decode
     monkeypatch.setattr(KVLM, "pack_for_decode", lambda self, rows: calls.append(rows) or orig(self, rows))
-    # where the few-row kernel is, from 9 rows on packing follows the measurement (taken as won here; the test
-    # below takes the other outcome)
-    monkeypatch.setattr(generation, "packed_beats_few_rows", lambda weight, rows: True)
+    # where the few-row kernel is, from 9 rows on packing follows the measurement (MKL's layout taken as the
+    # fastest here; the tests below take the other outcomes)
+    monkeypatch.setattr(generation, "fastest_packing", lambda weight, rows: rows)
     for available, lowest in ((True, 9), (False, 4)):
         monkeypatch.setattr(generation, "few_rows_available", lambda available=available: available)
         calls.clear()
@@ -248,9 +249,34 @@ def test_generate_does_not_pack_where_the_few_row_kernel_measured_faster(monkeyp
     orig = KVLM.pack_for_decode
     monkeypatch.setattr(KVLM, "pack_for_decode", lambda self, rows: calls.append(rows) or orig(self, rows))
     monkeypatch.setattr(generation, "few_rows_available", lambda: True)
-    monkeypatch.setattr(generation, "packed_beats_few_rows", lambda w, rows: measured.append((w, rows)) and False)
+    monkeypatch.setattr(generation, "fastest_packing", lambda w, rows: measured.append((w, rows)) and None)
     generate(model, [[1, 2]] * 12, 16)
     assert calls == [] and measured == [(model.lm_head.weight, 12)]
+
+
+def test_generate_packs_in_onednn_layout_where_it_measured_fastest(monkeypatch):
+    """At batch 9-16 the layout ``fastest_packing`` names is the one packed: oneDNN's (ANY_ROWS) serves the
+    decode steps' products, and the tokens equal the unpacked run's."""
+    from kvlm.inference import generation
+    from kvlm.model import KVLM
+
+    if not packing_available(ANY_ROWS):
+        pytest.skip("this torch build has no oneDNN packed GEMM")
+    torch.manual_seed(0)
+    model = build_model(_cfg("gqa", n_kv_head=2)).eval()
+    prompts = [[1 + i, 2] for i in range(12)]
+    plain = generate(model, prompts, 16, pack_weights=False)
+    calls, products = [], []
+    orig = KVLM.pack_for_decode
+    monkeypatch.setattr(KVLM, "pack_for_decode", lambda self, rows: calls.append(rows) or orig(self, rows))
+    monkeypatch.setattr(generation, "few_rows_available", lambda: True)
+    monkeypatch.setattr(generation, "fastest_packing", lambda w, rows: ANY_ROWS)
+    real = linear_module._packed_product
+    monkeypatch.setattr(
+        linear_module, "_packed_product", lambda x, p, w, b, rows: products.append(rows) or real(x, p, w, b, rows)
+    )
+    assert generate(model, prompts, 16) == plain
+    assert calls == [ANY_ROWS, None] and products and set(products) == {ANY_ROWS}
 
 
 def _spy_groups(monkeypatch) -> list[bool]:

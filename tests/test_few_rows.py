@@ -3,13 +3,15 @@ few-row kernel (kvlm.kernels.few_rows, csrc/few_rows.h) against float64 products
 place in the step: ``Linear`` and grouped projections take it up to 8 rows, eager and compiled, with the same
 logits as the library products and the same FLOP count."""
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import require_kernels, tiny_config
 
 from kvlm import build_model
-from kvlm.attention.linear import GroupPacking, Linear, packing_available
+from kvlm.attention.linear import ANY_ROWS, GroupPacking, Linear, packing_available
 from kvlm.bench.flops import CountFlops
 from kvlm.kernels import few_rows
 from kvlm.kernels.shared import LINEAR_CALLS
@@ -100,24 +102,43 @@ def test_linear_takes_it_up_to_16_rows_and_a_packed_copy_from_9(bias):
     assert LINEAR_CALLS["few_rows"] == before and lin.weight.grad is not None
 
 
-def test_the_packed_product_or_the_kernel_by_measurement(monkeypatch):
-    """From 9 rows on ``generate`` packs where MKL's packed product measured faster on this machine: measured
-    once per rows and shape (a second call times nothing), either answer possible; where the kernel does not
-    take the weight, packing wins."""
+def test_the_packed_products_or_the_kernel_by_measurement(monkeypatch):
+    """From 9 rows on ``generate`` packs in whichever layout measured fastest on this machine, or not at all
+    where the kernel did: each available candidate timed, once per rows and shape (a second call times nothing),
+    the one with the lowest median named; where the kernel does not take the weight, a packed layout wins."""
     from kvlm.attention import linear
 
-    if not packing_available(12):
-        pytest.skip("this torch build has no MKL packed GEMM")
+    if not (packing_available(12) and packing_available(ANY_ROWS)):
+        pytest.skip("this torch build has no MKL / oneDNN packed GEMM")
     w = torch.randn(200, 64)
     reorders = []
-    real = linear._reorder
-    monkeypatch.setattr(linear, "_reorder", lambda *a: reorders.append(1) or real(*a))
-    monkeypatch.setattr(linear, "_PACKED_WINS", {})
-    answer = linear.packed_beats_few_rows(w, 12)
-    assert answer in (True, False) and len(reorders) == 1
-    assert linear.packed_beats_few_rows(w, 12) == answer and len(reorders) == 1
+    real_reorder, real_product, real_few = linear._reorder, linear._packed_product, linear.few_rows_linear
+    monkeypatch.setattr(linear, "_reorder", lambda w, rows: reorders.append(rows) or real_reorder(w, rows))
+    monkeypatch.setattr(linear, "_FASTEST", {})
+    answer = linear.fastest_packing(w, 12)
+    assert answer in (None, 12, ANY_ROWS) and reorders == [12, ANY_ROWS]
+    assert linear.fastest_packing(w, 12) == answer and reorders == [12, ANY_ROWS]
+    # the slowest arm is never the answer: each candidate made slow in turn
+    for slow in (None, 12, ANY_ROWS):
+        monkeypatch.setattr(linear, "_FASTEST", {})
+
+        def product(x, packed, weight, bias, rows, slow=slow):
+            time.sleep(0.02 if rows == slow else 0.0)
+            return real_product(x, packed, weight, bias, rows)
+
+        def few(*a, slow=slow, **k):
+            time.sleep(0.02 if slow is None and k.get("count") is False else 0.0)
+            return real_few(*a, **k)
+
+        monkeypatch.setattr(linear, "_packed_product", product)
+        monkeypatch.setattr(linear, "few_rows_linear", few)
+        got = linear.fastest_packing(w, 12)
+        assert got != slow
+        if slow is None and few_rows.few_rows_available():
+            assert got in (12, ANY_ROWS)
     _off(monkeypatch)
-    assert linear.packed_beats_few_rows(w, 13)
+    monkeypatch.setattr(linear, "_FASTEST", {})
+    assert linear.fastest_packing(w, 13) in (13, ANY_ROWS)
 
 
 def _decode(model, B, n_new=1):

@@ -10,13 +10,13 @@ autograd:
 - A packed copy, made once at decode time (parameters and state dict untouched, dropped by ``train(True)``,
   moves, casts or any write to the weight):
   - ``pack_for_decode(rows)``, rows an int: MKL's packed sgemm layout for products of exactly ``rows`` rows
-    (what Inductor's freezing uses for a static batch; ``generate`` packs at batch 9-16 where it measured
-    faster than the few-row kernel, ``packed_beats_few_rows``, or at 4-16 where that kernel is missing). Other
-    row counts take the unpacked path.
+    (what Inductor's freezing uses for a static batch). Other row counts take the unpacked path.
   - ``pack_for_decode(ANY_ROWS)``: oneDNN's blocked layout, which serves any row count (what Inductor uses for a
     dynamic batch): the serving engine, whose steps have any number of rows. Measured on this project's 2-core
     Intel machine, the reference shape's weights at 1 thread: 8 / 16 / 32 rows 51 / 61 / 101 ms against
     104 / 96 / 149 ms unpacked and 41 / 50 / 89 ms for MKL's layout packed for exactly that count.
+  ``generate`` packs at batch 9-16 (4-16 where the kernel is missing) in whichever of the two layouts measured
+  fastest on this machine, or not at all where the kernel did (``fastest_packing``).
 - Up to ``MAX_ROWS`` (16) rows that no packed copy serves, the few-row kernel again.
 - Unpacked, 4-16 rows run as W x^T, which MKL streams faster than x W^T (the 32000 x 768 LM head at batch 8:
   12.4 ms against 25.6 ms on Intel); others F.linear.
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import register_flop_formula
 
-from kvlm.kernels.few_rows import MAX_ROWS, few_rows_available, few_rows_fit, few_rows_linear
+from kvlm.kernels.few_rows import few_rows_fit, few_rows_linear
 from kvlm.kernels.library import packed_linear, register_packed
 
 ANY_ROWS = "any"  # pack_for_decode(ANY_ROWS): one layout for products of any number of rows (oneDNN)
@@ -69,38 +69,36 @@ def _packed_product(x, packed, shape_weight, bias, rows: int | str) -> torch.Ten
     return torch.ops.mkl._mkl_linear(x, packed, shape_weight, bias, rows)
 
 
-_PACKED_WINS: dict[tuple, bool] = {}  # packed_beats_few_rows' measurements, by (rows, weight shape, threads)
+_FASTEST: dict[tuple, int | str | None] = {}  # fastest_packing's answers, by (rows, weight shape, threads)
 
 
-def packed_beats_few_rows(weight: torch.Tensor, rows: int, rounds: int = 5) -> bool:
-    """Whether MKL's product on weights packed for ``rows`` rows beats the few-row kernel on this machine: both
-    timed on ``weight`` (a decode step passes its LM head, the largest product) in ``rounds`` interleaved rounds,
-    once per process for each (rows, shape, threads). From 9 rows on the winner depends on the CPU
-    (``kvlm.kernels.few_rows``). False where MKL's packing is missing, True where the kernel is."""
-    if not packing_available(rows):
-        return False
-    if not few_rows_available() or rows > MAX_ROWS:
-        return True
+def fastest_packing(weight: torch.Tensor, rows: int, rounds: int = 5) -> int | str | None:
+    """What to pack for so that products of ``rows`` rows by ``weight`` run fastest on this machine: ``rows``
+    (MKL's layout for exactly that count), ``ANY_ROWS`` (oneDNN's blocked layout) or None (the few-row kernel on
+    the plain weight, no copy; also where nothing is available). The candidates this build and CPU have are timed
+    on ``weight`` (a decode step passes its LM head, the largest product) in ``rounds`` interleaved rounds, once
+    per process for each (rows, shape, threads): from 9 rows on the winner depends on the CPU (AMD EPYC: oneDNN's
+    1.2-1.3x ahead of the kernel at 12-16 rows, MKL's 2-3x behind; benchmarks/decode-limit.md)."""
     key = (rows, tuple(weight.shape), torch.get_num_threads())
-    if key not in _PACKED_WINS:
+    if key not in _FASTEST:
         with torch.no_grad():
             w = weight.detach().contiguous()
-            packed = _reorder(w, rows)
             x = torch.randn(rows, w.shape[1], dtype=w.dtype)
-            if few_rows_linear(x, [w], [None], count=False, first=False) is None:
-                return True  # the kernel does not take this weight
-            arms = {
-                "packed": lambda: _packed_product(x, packed, w, None, rows),
-                "few": lambda: few_rows_linear(x, [w], [None], count=False, first=False),
-            }
-            times: dict[str, list[float]] = {k: [] for k in arms}
-            for _ in range(rounds):
+            arms: dict = {}
+            if few_rows_linear(x, [w], [None], count=False, first=False) is not None:
+                arms[None] = lambda: few_rows_linear(x, [w], [None], count=False, first=False)
+            for layout in (rows, ANY_ROWS):
+                if packing_available(layout):
+                    packed = _reorder(w, layout)
+                    arms[layout] = lambda packed=packed, layout=layout: _packed_product(x, packed, w, None, layout)
+            times: dict = {k: [] for k in arms}
+            for _ in range(rounds if len(arms) > 1 else 0):
                 for k, f in arms.items():
                     t0 = time.perf_counter()
                     f()
                     times[k].append(time.perf_counter() - t0)
-        _PACKED_WINS[key] = statistics.median(times["packed"]) < statistics.median(times["few"])
-    return _PACKED_WINS[key]
+        _FASTEST[key] = min(arms, key=lambda k: statistics.median(times[k]) if times[k] else 0.0, default=None)
+    return _FASTEST[key]
 
 
 def _applies(rows: int | str, n: int) -> bool:

@@ -50,8 +50,9 @@ def bench_decode(
         fill_cache(cache, context, model.cfg.vocab_size)
         return cache, cache.nbytes_used, torch.randint(0, model.cfg.vocab_size, (batch, 1), device=device)
 
-    # as generate decodes: weights packed for MKL where packs_for says it pays (kvlm.inference.generation)
-    packed = packs_for(model, batch) and model.pack_for_decode(batch) > 0
+    # as generate decodes: weights packed where packs_for says it pays, in its layout (kvlm.inference.generation)
+    layout = packs_for(model, batch)
+    packed = layout is not None and model.pack_for_decode(layout) > 0
     try:
         row = time_decode(
             new_cache,

@@ -30,8 +30,9 @@ def lm_head_ms(model: KVLM, batch: int, repeats: int = 5) -> float:
     p = head.weight
     x = torch.randn(batch, 1, model.cfg.d_model, device=p.device, dtype=p.dtype)
     saved = head._packed
-    if packs_for(model, batch):
-        head.pack_for_decode(batch)
+    layout = packs_for(model, batch)
+    if layout is not None:
+        head.pack_for_decode(layout)
     try:
         with torch.inference_mode():
             head(model.norm(x))  # warm-up

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kvlm.attention.base import MODES
-from kvlm.attention.linear import packed_beats_few_rows
+from kvlm.attention.linear import fastest_packing
 from kvlm.cache import CacheError
 from kvlm.inference.sampling import StopTracker, check_sampling, sample
 from kvlm.kernels.few_rows import FEW_ROWS, MAX_ROWS, few_rows_available
@@ -60,9 +60,9 @@ def generate(
     mode is passed to the model ("naive" builds the materialised per-head K/V cache). The cache has the
     model's dtype and device.
     pack_weights: decode with the weights in MKL's packed GEMM layout for this batch (``KVLM.pack_for_decode``;
-    CPU float32 only; a second copy of the weights while it runs). None: where ``packs_for`` says it pays (batch
-    9-16 where MKL measured faster than the few-row kernel, 4-16 without that kernel) and at least
-    ``PACK_MIN_STEPS`` decode steps on CPU float32.
+    CPU float32 only; a second copy of the weights while it runs). None: in the layout ``packs_for`` names, where
+    it names one (batch 9-16 where MKL's or oneDNN's layout measured faster than the few-row kernel, 4-16
+    without that kernel), with at least ``PACK_MIN_STEPS`` decode steps on CPU float32.
     Weights the caller packed for this batch beforehand are used and kept.
     compile: run the decode steps through ``torch.compile`` (the prefill stays eager): kvlm's CPU kernels and
     packed products enter its graph as custom operators (``kvlm.kernels.library``), so a step loses most of its
@@ -168,18 +168,17 @@ def generate(
 PACK_MIN_STEPS = 16  # packing the reference shape's 260 MB of weights takes ~0.35 s: a few steps' savings
 
 
-def packs_for(model, batch: int) -> bool:
-    """Whether decode at ``batch`` sequences gains from packed weights: a kvlm model on CPU in float32, batch
-    4-16 where the few-row kernel (kvlm.kernels.few_rows) is missing (below 4 rows F.linear streams the weights
-    as fast, benchmarks/decode_limit.py "GEMMs alone"); where it is present, batch 9-16 (up to 8 rows it is
-    faster) if MKL's packed product measured faster than it on this machine (``packed_beats_few_rows``, on the
-    LM head: once per process and batch)."""
+def packs_for(model, batch: int) -> int | str | None:
+    """What decode at ``batch`` sequences packs its weights for (``KVLM.pack_for_decode``), or None where it
+    does not gain: a kvlm model on CPU in float32 at batch 9-16 where the few-row kernel (kvlm.kernels.few_rows)
+    is (up to 8 rows it is the fastest), 4-16 where it is missing (below 4 rows F.linear streams the weights as
+    fast, benchmarks/decode_limit.py "GEMMs alone"); there the fastest of the kernel, MKL's layout for ``batch``
+    rows and oneDNN's for any (``fastest_packing``, on the LM head: once per process and batch)."""
     p = model.embed.weight
     if not hasattr(model, "pack_for_decode") or p.device.type != "cpu" or p.dtype != torch.float32:
-        return False
-    if not few_rows_available():
-        return 4 <= batch <= MAX_ROWS
-    return FEW_ROWS < batch <= MAX_ROWS and packed_beats_few_rows(model.lm_head.weight, batch)
+        return None
+    lowest = FEW_ROWS + 1 if few_rows_available() else 4
+    return fastest_packing(model.lm_head.weight, batch) if lowest <= batch <= MAX_ROWS else None
 
 
 def _pack(model, batch: int, max_new_tokens: int, pack_weights: bool | None) -> bool:
@@ -187,12 +186,14 @@ def _pack(model, batch: int, max_new_tokens: int, pack_weights: bool | None) -> 
     if not hasattr(model, "pack_for_decode"):
         return False
     if pack_weights is None:
-        pack_weights = packs_for(model, batch) and max_new_tokens >= PACK_MIN_STEPS
-    if not pack_weights:
+        layout = packs_for(model, batch) if max_new_tokens >= PACK_MIN_STEPS else None
+    else:
+        layout = batch if pack_weights else None
+    if layout is None:
         return False
     if model.lm_head._packed is not None:
         return False  # packed already (for this batch, or for any rows by a serving engine): leave it as it is
-    return model.pack_for_decode(batch) > 0
+    return model.pack_for_decode(layout) > 0
 
 
 _COMPILED: dict[type, Callable] = {}  # per model class: torch.compile's cache then holds one entry per batch size

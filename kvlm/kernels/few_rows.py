@@ -12,8 +12,9 @@ reference shape's 268 MB of weights, 2 threads (``benchmarks/few_rows_gemm.py``;
 So up to ``FEW_ROWS`` rows ``kvlm.attention.linear.Linear`` takes it before any packed copy. From 9 to
 ``MAX_ROWS`` rows the products become compute-dense and which path wins depends on the CPU: at 16 rows the
 kernel streamed the weights in 11.4 ms against MKL packed 29.7 on the AMD EPYC, 33.5 against 26.2 on the Intel
-Xeon. There it runs where no packed copy applies, and ``generate`` packs where MKL measured faster on this
-machine (``kvlm.attention.linear.packed_beats_few_rows``).
+Xeon, and oneDNN's blocked layout in 10.1 on the AMD EPYC. There it runs where no packed copy applies, and
+``generate`` packs where MKL's or oneDNN's layout measured faster on this machine
+(``kvlm.attention.linear.fastest_packing``).
 """
 
 from __future__ import annotations
