@@ -403,3 +403,22 @@ def test_peer_unavailable_says_why(attention, overrides, why):
 
     with pytest.raises(PeerUnavailable, match=why):
         build_peer(build_model(tiny_config(attention, **overrides)))
+
+
+def test_bench_decode_packs_as_generate_and_says_how(monkeypatch):
+    """``bench_decode`` times the step with the weights packed in the layout ``packs_for`` names (as generate
+    decodes), records it in the row, and drops the packed copy after."""
+    from kvlm.attention.linear import ANY_ROWS, packing_available
+    from kvlm.bench import measure
+
+    if not packing_available(ANY_ROWS):
+        pytest.skip("this torch build has no oneDNN packed GEMM")
+    model = build_model(tiny_config("gqa", n_kv_head=2)).eval()
+    seen = []
+    monkeypatch.setattr(measure, "packs_for", lambda m, batch: ANY_ROWS if batch >= 9 else None)
+    real = type(model).pack_for_decode
+    monkeypatch.setattr(type(model), "pack_for_decode", lambda self, rows: seen.append(rows) or real(self, rows))
+    row = measure.bench_decode(model, 12, 8, "auto", 1, 2)
+    assert row["weights_packed"] == ANY_ROWS and seen == [ANY_ROWS, None] and model.lm_head._packed is None
+    seen.clear()
+    assert measure.bench_decode(model, 2, 8, "auto", 1, 2)["weights_packed"] is None and seen == []

@@ -66,6 +66,7 @@ def bench_decode(
         if packed:
             model.pack_for_decode(None)
     row["tokens_per_s"] = batch / (row["median_ms"] * 1e-3)
+    row["weights_packed"] = layout if packed else None  # MKL's layout for that many rows, "any" (oneDNN's) or None
     return row
 
 

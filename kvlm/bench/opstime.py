@@ -4,7 +4,7 @@ The classes are timed with the model's own modules and routes, without instrumen
 
 - attention over the cache = the decode step at ``context`` cached tokens minus the same step at 1 cached token
   (the cache-proportional part: the same projections, MLPs and LM head run in both);
-- LM head = the final norm and the LM head alone on ``batch`` hidden states, its weight packed for MKL where the
+- LM head = the final norm and the LM head alone on ``batch`` hidden states, its weight packed as the
   timed step packs it (``bench_decode``, as ``generate``: ``packs_for``), so that the class times
   the product the step runs;
 - weight GEMMs = the step at 1 cached token minus the LM head: the projections, MLPs, norms, the embedding
