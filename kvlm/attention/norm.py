@@ -1,7 +1,7 @@
 """RMSNorm, the one every norm of the decoder and of the latent attentions uses: at inference on a float32 CPU
 tensor it runs kvlm's one-pass C++ kernel (``kvlm.kernels.rms_norm``; torch's ``nn.RMSNorm`` dispatches ~10
-operators there: 8 us a call warm, ~0.1 ms inside a decode step under the profiler), elsewhere ``F.rms_norm``. Its state (``weight``) is torch's
-``nn.RMSNorm``'s, so checkpoints of either load into the other."""
+operators there: 8 us a call warm, ~0.1 ms inside a decode step under the profiler), elsewhere ``F.rms_norm``.
+Its state (``weight``) is torch's ``nn.RMSNorm``'s, so checkpoints of either load into the other."""
 
 from __future__ import annotations
 
