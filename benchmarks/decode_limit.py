@@ -10,7 +10,9 @@ Writes benchmarks/decode-limit.md (tables) and benchmarks/decode-limit.json (eve
   (d_c 256, d_h^R 32), kernels on and off, peers (Llama for MHA/GQA, DeepseekV3 for MLA) at batch 8 / 4096;
 - batch 1 / 8192 at 1 thread (does batch-1 decode use both cores?);
 - T = 4 new tokens against T = 1 for absorbed MLA at 4096 cached tokens (speculative verification);
-- after the passes, the step compiled (``generate(compile=True)``) against the eager one at both sizes.
+- after the passes, the step compiled (``generate(compile=True)``) against the eager one at both sizes;
+- last, the step rows of kvlm with its kernels against a floor measured beside each timed round
+  (``benchmarks/paired_floor.py``): on a shared machine, the ratios to read.
 
 The step rows are measured in ``--passes`` passes (default 3), the configurations in a rotated order in each
 pass (the transformers peers in the first only): on a shared machine other tenants only ever slow a
@@ -31,6 +33,7 @@ import os
 import time
 from pathlib import Path
 
+import paired_floor  # this folder
 import torch
 
 from kvlm.bench import make_plan, run
@@ -338,6 +341,7 @@ def main() -> None:
     runs = passes[0]
     rows = [row for i in range(len(configs)) for row in combine([p[i] for p in passes])]
     comp = compiled_steps(rows, [big, long], q)
+    paired = paired_floor.cells(q)
     lines = [
         "# Decode at the hardware limit (issue 15)",
         "",
@@ -365,6 +369,15 @@ def main() -> None:
         "",
         HEAD,
         *[row_line(r) for r in rows],
+        "",
+        "The same cells against a floor measured at the same moment (`benchmarks/paired_floor.py`, "
+        "kvlm.bench.paired): in each round, a probe of read bandwidth and matmul peak, the step at its context, the "
+        "step at 1 cached token and the LM head (4 steps each, median), and a probe again; each round against the "
+        "floor of the mean of its two probes. `x floor` is the median over rounds, `x floor, rounds` their range; "
+        "kernels on, weights packed as `generate` packs them. On a machine whose bandwidth others move within "
+        "minutes, these are the ratios to read.",
+        "",
+        *paired_floor.table(paired),
         "",
         "The step compiled (`generate(compile=True)`: `torch.compile`, the kernels and packed products as custom "
         "operators), 2 threads, kernels on, against the eager step (as in the rows above), the two timed "
@@ -417,7 +430,7 @@ def main() -> None:
     Path(args.out + ".json").write_text(
         json.dumps(
             {"rows": rows, "passes": passes, "steal_s": steal, "multi_token_ms": mt, "weights_packed_ms": wp,
-             "compiled": comp},
+             "compiled": comp, "paired": paired},
             indent=1,
             default=str,
         )
