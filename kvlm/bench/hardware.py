@@ -58,7 +58,7 @@ def measure_hardware(device: torch.device, mib: int = 512, repeats: int = 5) -> 
     read_gbs = n * 4 / best_time(lambda: src.sum(), device, repeats) / 1e9
     src = dst = None  # free 2 x mib before the matmul
     m = 8192 if device.type == "cuda" else (2048 if mib >= 256 else 512)  # small buffers: a quick run
-    calls = matmul_calls(m, device)
+    calls = matmul_calls(torch.randn(m, m, device=device), torch.randn(m, m, device=device))
     routes = {name: 2 * m**3 / best_time(call, device, repeats) / 1e9 for name, call in calls.items()}
     return {
         "copy_gbs": copy_gbs,
@@ -70,17 +70,18 @@ def measure_hardware(device: torch.device, mib: int = 512, repeats: int = 5) -> 
     }
 
 
-def matmul_calls(m: int, device: torch.device) -> dict[str, Callable[[], object]]:
-    """One m x m x m fp32 product per route torch has here, each warmed up: ``a @ b`` (MKL on CPU, cuBLAS) and,
-    on a CPU where torch has oneDNN, oneDNN's linear on its own blocked layout. The matmul peak is the best of
-    them: on AMD CPUs MKL keeps off the AVX-512 paths (this project's 2-core AMD EPYC: ``a @ b`` 190 GFLOP/s,
-    oneDNN 440, an FMA loop 460), so ``a @ b`` alone would set compute floors 2.3x too high."""
-    a = torch.randn(m, m, device=device)
-    b = torch.randn(m, m, device=device)
-    calls: dict[str, Callable[[], object]] = {"a @ b": lambda: a @ b}
-    if device.type == "cpu" and torch.backends.mkldnn.is_available():
+def matmul_calls(a: torch.Tensor, b: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
+    """The product a b^T (fp32) by each route torch has for it here, each warmed up: ``torch.mm`` (MKL on CPU,
+    cuBLAS) and, on a CPU where torch has oneDNN, oneDNN's linear on its own blocked layout (returned dense).
+    The matmul peak is the best of them: on AMD CPUs MKL keeps off the AVX-512 paths (this project's 2-core AMD
+    EPYC: ``torch.mm`` 190 GFLOP/s, oneDNN 440, an FMA loop 460), so ``torch.mm`` alone would set compute floors
+    2.3x too high."""
+    bt = b.t()
+    calls: dict[str, Callable[[], torch.Tensor]] = {"torch.mm": lambda: torch.mm(a, bt)}
+    if a.device.type == "cpu" and torch.backends.mkldnn.is_available():
         try:
             a_dnn, b_dnn = a.to_mkldnn(), b.to_mkldnn()
+            torch._C._nn.mkldnn_linear(a_dnn, b_dnn)
             calls["oneDNN"] = lambda: torch._C._nn.mkldnn_linear(a_dnn, b_dnn)
         except RuntimeError:  # a build whose oneDNN does not take the product: the other routes
             pass

@@ -36,7 +36,9 @@ class Probe:
         n = mib * 2**20 // 4
         self.src = zeros_in_huge_pages((n,), torch.float32, device).uniform_()
         self.m = matmul
-        self.matmuls = matmul_calls(matmul, device)  # the routes measure_hardware takes the best of
+        self.matmuls = matmul_calls(
+            torch.randn(matmul, matmul, device=device), torch.randn(matmul, matmul, device=device)
+        )  # the routes measure_hardware takes the best of
         self.repeats = repeats
         self.device = device
 
