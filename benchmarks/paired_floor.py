@@ -14,16 +14,12 @@ import argparse
 import os
 
 import torch
+from step_overhead import QUICK, SHAPE, VARIANTS, VARIANTS_QUICK  # this folder
 
-from kvlm.bench.paired import Probe, paired_step
+from kvlm.bench.hardware import Probe
+from kvlm.bench.paired import paired_step
 from kvlm.bench.plan import parse_variant
 from kvlm.model import build_model
-
-SHAPE = dict(n_layer=6, d_model=768, n_head=12, vocab_size=32000, ffn_dim=2048)
-QUICK = dict(n_layer=1, d_model=64, n_head=4, vocab_size=256, ffn_dim=128)
-MLA = "mla:kv_lora_rank=256:rope_head_dim=32"
-VARIANTS = ["mha", "gqa:n_kv_head=3", MLA]
-VARIANTS_QUICK = ["mha", "gqa:n_kv_head=2", "mla:kv_lora_rank=32:rope_head_dim=8"]
 
 
 def cells(quick: bool, rounds: int = 12) -> list[dict]:

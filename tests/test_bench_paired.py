@@ -2,14 +2,15 @@
 step against a floor probed beside each timed round (kvlm.bench.paired)."""
 
 import statistics
+import time
 
 import pytest
 import torch
 from conftest import tiny_config
 
 from kvlm import build_model
-from kvlm.bench.hardware import matmul_calls, measure_hardware
-from kvlm.bench.paired import Probe, paired_ratios, paired_step, timed_rounds
+from kvlm.bench.hardware import Probe, matmul_calls, measure_hardware
+from kvlm.bench.paired import paired_ratios, paired_step, timed_rounds
 
 
 def test_every_matmul_route_computes_the_product_it_is_timed_for():
@@ -24,12 +25,27 @@ def test_every_matmul_route_computes_the_product_it_is_timed_for():
         torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-4, msg=name)
 
 
-def test_measure_hardware_peak_is_the_best_route():
+def test_measure_hardware_peak_is_the_best_route(monkeypatch):
     hw = measure_hardware(torch.device("cpu"), mib=4, repeats=1)
     routes = hw["matmul_routes_gflops"]
     assert set(routes) == set(matmul_calls(torch.randn(8, 8), torch.randn(8, 8)))
     assert all(v > 0 for v in routes.values())
     assert hw["matmul_fp32_gflops"] == max(routes.values())
+    # a slow route listed first (as torch.mm is on AMD CPUs) does not set the peak, here or in a Probe
+    import kvlm.bench.hardware as hardware
+
+    real = hardware.matmul_calls
+
+    def with_slow_route(a, b):
+        return {"slow": lambda: time.sleep(0.02), **real(a, b)}
+
+    monkeypatch.setattr(hardware, "matmul_calls", with_slow_route)
+    hw = measure_hardware(torch.device("cpu"), mib=4, repeats=1)
+    routes = hw["matmul_routes_gflops"]
+    assert routes["slow"] < min(v for k, v in routes.items() if k != "slow")
+    assert hw["matmul_fp32_gflops"] == max(routes.values()) > routes["slow"]
+    probe = Probe(torch.device("cpu"), mib=4, matmul=256, repeats=1)
+    assert probe()["matmul_fp32_gflops"] > 2 * 256**3 / 0.02 / 1e9  # faster than the slow route can be
 
 
 class FakeTime:

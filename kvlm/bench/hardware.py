@@ -47,19 +47,18 @@ def measure_hardware(device: torch.device, mib: int = 512, repeats: int = 5) -> 
     """Memory bandwidth (GB/s) and fp32 matmul throughput (GFLOP/s), best of ``repeats``; the matmul peak is the
     fastest of torch's routes (``matmul_calls``), each kept in ``matmul_routes_gflops``.
 
-    copy: dst.copy_(src) of ``mib`` MiB moves 2x that (read + write). read: src.sum() reads it once.
+    copy: dst.copy_(src) of ``mib`` MiB moves 2x that (read + write). read: src.sum() reads it once (``Probe``).
     ``bandwidth_gbs`` is the larger: the floor uses the best this machine has shown. Both buffers are in huge
     pages where kvlm puts its caches and weights (kvlm.hugepages; 4 KiB pages read ~8 % slower on this
     project's VM), so the floor is what the same memory can do."""
-    n = mib * 2**20 // 4
-    src = zeros_in_huge_pages((n,), torch.float32, device).uniform_()
-    dst = zeros_in_huge_pages((n,), torch.float32, device)
-    copy_gbs = 2 * n * 4 / best_time(lambda: dst.copy_(src), device, repeats) / 1e9
-    read_gbs = n * 4 / best_time(lambda: src.sum(), device, repeats) / 1e9
-    src = dst = None  # free 2 x mib before the matmul
     m = 8192 if device.type == "cuda" else (2048 if mib >= 256 else 512)  # small buffers: a quick run
-    calls = matmul_calls(torch.randn(m, m, device=device), torch.randn(m, m, device=device))
-    routes = {name: 2 * m**3 / best_time(call, device, repeats) / 1e9 for name, call in calls.items()}
+    probe = Probe(device, mib, m, repeats)
+    dst = zeros_in_huge_pages(probe.src.shape, torch.float32, device)
+    copy_gbs = 2 * probe.src.numel() * 4 / best_time(lambda: dst.copy_(probe.src), device, repeats) / 1e9
+    dst = None
+    read_gbs = probe.read_gbs()
+    probe.src = None  # free the buffer before the matmul
+    routes = probe.routes_gflops()
     return {
         "copy_gbs": copy_gbs,
         "read_gbs": read_gbs,
@@ -68,6 +67,37 @@ def measure_hardware(device: torch.device, mib: int = 512, repeats: int = 5) -> 
         "matmul_routes_gflops": routes,
         "bandwidth_buffer_mib": mib,
     }
+
+
+class Probe:
+    """Read bandwidth (``src.sum()`` over ``mib`` MiB in huge pages, as kvlm's caches and weights are) and fp32
+    matmul peak (``matmul`` x ``matmul`` products by every route, ``matmul_calls``), each the best of ``repeats``,
+    from buffers made once: ``measure_hardware`` measures with one, kvlm.bench.paired again and again."""
+
+    def __init__(self, device: torch.device, mib: int = 256, matmul: int = 2048, repeats: int = 2):
+        self.src: torch.Tensor | None = zeros_in_huge_pages(
+            (mib * 2**20 // 4,), torch.float32, device
+        ).uniform_()
+        self.m = matmul
+        self.matmuls = matmul_calls(
+            torch.randn(matmul, matmul, device=device), torch.randn(matmul, matmul, device=device)
+        )
+        self.repeats = repeats
+        self.device = device
+
+    def read_gbs(self) -> float:
+        src = self.src
+        return src.numel() * 4 / best_time(lambda: src.sum(), self.device, self.repeats) / 1e9
+
+    def routes_gflops(self) -> dict[str, float]:
+        flop = 2 * self.m**3
+        return {
+            name: flop / best_time(call, self.device, self.repeats) / 1e9
+            for name, call in self.matmuls.items()
+        }
+
+    def __call__(self) -> dict[str, float]:
+        return {"bandwidth_gbs": self.read_gbs(), "matmul_fp32_gflops": max(self.routes_gflops().values())}
 
 
 def matmul_calls(a: torch.Tensor, b: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:

@@ -3,10 +3,10 @@
 On a machine whose memory other tenants share, read bandwidth moves 1.5-2x within minutes (this project's VMs:
 17-68 GB/s on 2 threads within an hour), so a step timed at one moment against a floor measured at another
 mostly measures the neighbours. ``paired_step`` times the decode step in rounds; each round is bracketed by two
-probes of the machine (``Probe``: read bandwidth and fp32 matmul peak) and set against the floor of the mean of
-its two probes. The median over rounds of those per-round ratios is the step's x floor; the per-class split
-(kvlm.bench.opstime) is paired the same way: the step at its context, the step at one cached token and the LM
-head run in every round.
+probes of the machine (kvlm.bench.hardware.Probe: read bandwidth and fp32 matmul peak) and set against the floor
+of the mean of its two probes. The median over rounds of those per-round ratios is the step's x floor; the
+per-class split (kvlm.bench.opstime) is paired the same way: the step at its context, the step at one cached
+token and the LM head run in every round.
 """
 
 from __future__ import annotations
@@ -17,36 +17,11 @@ from collections.abc import Callable
 
 import torch
 
-from kvlm.bench.hardware import matmul_calls
 from kvlm.bench.roofline import attention_cost, operation_classes, operation_roofline, weight_classes
-from kvlm.bench.timing import best_time
-from kvlm.hugepages import zeros_in_huge_pages
 from kvlm.inference.generation import packs_for
 from kvlm.model import KVLM
 
 HW_KEYS = ("bandwidth_gbs", "matmul_fp32_gflops")
-
-
-class Probe:
-    """Read bandwidth (``src.sum()`` over ``mib`` MiB in huge pages, as kvlm's caches and weights are) and fp32
-    matmul peak (``matmul`` x ``matmul`` products, the fastest of torch's routes: kvlm.bench.hardware.matmul_calls),
-    each the best of ``repeats``, from buffers made once."""
-
-    def __init__(self, device: torch.device, mib: int = 256, matmul: int = 2048, repeats: int = 2):
-        n = mib * 2**20 // 4
-        self.src = zeros_in_huge_pages((n,), torch.float32, device).uniform_()
-        self.m = matmul
-        self.matmuls = matmul_calls(
-            torch.randn(matmul, matmul, device=device), torch.randn(matmul, matmul, device=device)
-        )  # the routes measure_hardware takes the best of
-        self.repeats = repeats
-        self.device = device
-
-    def __call__(self) -> dict[str, float]:
-        n, m = self.src.numel(), self.m
-        read_s = best_time(lambda: self.src.sum(), self.device, self.repeats)
-        mm_s = min(best_time(call, self.device, self.repeats) for call in self.matmuls.values())
-        return {"bandwidth_gbs": n * 4 / read_s / 1e9, "matmul_fp32_gflops": 2 * m**3 / mm_s / 1e9}
 
 
 def timed_rounds(
