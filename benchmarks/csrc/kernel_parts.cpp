@@ -101,7 +101,7 @@ int main(int argc, char** argv) {
     __m512 s = _mm512_setzero_ps();
     auto t0 = Clock::now();
     for (long i = 0; i < n; ++i)
-      s = _mm512_add_ps(s, avx512::score16<DType::f32, 4, 4>(&q4[0][0], 288, nullptr, 0, rp + (i & 3) * 4,
+      s = _mm512_add_ps(s, avx512::score16<DType::f32, 4, 4>(&q4[0][0], nullptr, rp + (i & 3) * 4,
                                                               nullptr, nullptr, 288, 0, nullptr, nullptr, pl, 0));
     const double score = n * 16.0 * 288 * 2 / seconds_since(t0) / 1e9;
     t0 = Clock::now();

@@ -62,12 +62,13 @@ inline __m512 tree16(const __m512 (&a)[16]) {
   return _mm512_add_ps(_mm512_permutex2var_ps(z[0], lo4, z[1]), _mm512_permutex2var_ps(z[0], hi4, z[1]));
 }
 
-// Lane x KB + y = q_x . k_y (+ qr_x . kr_y), for RB rows of q (stride qs, qr stride qrs; zero-padded to whole
-// vectors) and KB key rows k[y] (Dk elements of DT, scaled by ks[y] when ks is given) with RoPE rows kr[y]
+// Lane x KB + y = q_x . k_y (+ qr_x . kr_y), for RB rows of q and qr interleaved by vectors (the 16 features
+// from d of row x at q + RB d + 16 x: one pointer for all rows, which leaves general registers for the loop;
+// zero-padded to whole vectors; interleave_rows) and KB key rows k[y] (Dk elements of DT, scaled by ks[y] when ks is given) with RoPE rows kr[y]
 // (Dr floats). pk: the next tile's KB key rows (and pkr their RoPE rows) to prefetch, or null; pl: the spread
 // prefetch list (kPrefetchTiles), pls lines per step of 16 features, advanced.
 template <DType DT, int RB, int KB>
-inline __m512 score16(const float* q, int64_t qs, const float* qr, int64_t qrs, const char* const* k,
+inline __m512 score16(const float* q, const float* qr, const char* const* k,
                       const char* const* kr, const float* ks, int64_t Dk, int64_t Dr, const char* const* pk,
                       const char* const* pkr, const char* const*& pl, int pls) {
   static_assert(RB * KB == 16, "a block is 16 scores");
@@ -95,7 +96,7 @@ inline __m512 score16(const float* q, int64_t qs, const float* qr, int64_t qrs, 
 #pragma GCC unroll 4  // loop overhead once per 4 steps: MLA with int8 / fp8 latents 1.13-1.15x faster (AMD EPYC)
   for (int64_t d = 0; d < Dk16; d += 16) {
     __m512 qv[RB];
-    for (int x = 0; x < RB; ++x) qv[x] = _mm512_load_ps(q + x * qs + d);
+    for (int x = 0; x < RB; ++x) qv[x] = _mm512_load_ps(q + RB * d + 16 * x);
     for (int i = 0; i < pls; ++i) _mm_prefetch(*pf++, KVLM_PF_HINT);
     if (pk && d % line == 0)
       for (int y = 0; y < KB; ++y) _mm_prefetch(pk[y] + d * ES, KVLM_PF_HINT);
@@ -110,7 +111,7 @@ inline __m512 score16(const float* q, int64_t qs, const float* qr, int64_t qrs, 
     for (int y = 0; y < KB; ++y) {
       const __m512 kv = load<DT>(k[y] + Dk16 * ES, m);
 #pragma GCC unroll 16
-      for (int x = 0; x < RB; ++x) a[x * KB + y] = _mm512_fmadd_ps(_mm512_load_ps(q + x * qs + Dk16), kv, a[x * KB + y]);
+      for (int x = 0; x < RB; ++x) a[x * KB + y] = _mm512_fmadd_ps(_mm512_load_ps(q + RB * Dk16 + 16 * x), kv, a[x * KB + y]);
     }
   }
   if (ks) {
@@ -127,7 +128,7 @@ inline __m512 score16(const float* q, int64_t qs, const float* qr, int64_t qrs, 
     if (pkr)
       for (int y = 0; y < KB; ++y) _mm_prefetch(pkr[y] + 4 * d, KVLM_PF_HINT);
     __m512 qv[RB];
-    for (int x = 0; x < RB; ++x) qv[x] = _mm512_load_ps(qr + x * qrs + d);
+    for (int x = 0; x < RB; ++x) qv[x] = _mm512_load_ps(qr + RB * d + 16 * x);
 #pragma GCC unroll 16
     for (int y = 0; y < KB; ++y) {
       const __m512 kv = _mm512_maskz_loadu_ps(m, reinterpret_cast<const float*>(kr[y]) + d);
@@ -270,6 +271,14 @@ inline void widen(const char* const* rows, const float* scales, int n, int64_t D
 #endif
 constexpr int kPrefetchTiles = KVLM_PREFETCH_TILES;
 
+// Rows [r0, r0 + RB) of q (R rows of width W, stride W, a multiple of 16) into dst + r0 W interleaved by
+// vectors, as score16 reads them: the 16 values from d of row r0 + x at dst + r0 W + RB d + 16 x.
+template <int RB>
+inline void interleave_rows(const float* q, int64_t W, int64_t r0, float* dst) {
+  for (int64_t d = 0; d < W; d += 16)
+    for (int x = 0; x < RB; ++x) std::memcpy(dst + r0 * W + RB * d + 16 * x, q + (r0 + x) * W + d, 16 * sizeof(float));
+}
+
 // One work item, as kvlm_decode::attend_range_t: rows [0, R) of group g of sequence b against keys [j0, j1);
 // the key and value pools both of DT (the RoPE pool float32).
 //
@@ -294,6 +303,19 @@ void attend_range(const Job& J, const float* q, const float* qr, int64_t b, int6
   float ks[2][TILE], vs[2][TILE];
   std::vector<Line> wk_v(WIDEN ? TILE * Dkp / 16 : 0), wv_v(WIDEN && !latent ? TILE * Dvp / 16 : 0);
   const char *wkp[TILE], *wvp[TILE];
+  // q and qr by the row blocks of the score pass (4, then 2, then 1 rows), interleaved for score16
+  std::vector<Line> qi_v(R * Dkp / 16), qri_v(std::max<int64_t>(R * Drp / 16, 1));
+  float *qi = qi_v.data()->f, *qri = qri_v.data()->f;
+  for (int64_t r0 = 0; r0 < R; r0 += R - r0 >= 4 ? 4 : R - r0 >= 2 ? 2 : 1) {
+    const int64_t rb = R - r0 >= 4 ? 4 : R - r0 >= 2 ? 2 : 1;
+    auto each = [&](auto tag) {
+      interleave_rows<decltype(tag)::value>(q, Dkp, r0, qi);
+      if (Drp) interleave_rows<decltype(tag)::value>(qr, Drp, r0, qri);
+    };
+    if (rb == 4) each(std::integral_constant<int, 4>());
+    if (rb == 2) each(std::integral_constant<int, 2>());
+    if (rb == 1) each(std::integral_constant<int, 1>());
+  }
   const int32_t* tab = J.table + b * J.max_blocks;
   int64_t max_lo = j0, min_hi = j1 - 1;  // every row sees [max_lo, min_hi] of the range
   for (int64_t r = 0; r < R; ++r) {
@@ -384,7 +406,7 @@ void attend_range(const Job& J, const float* q, const float* qr, int64_t b, int6
     auto block = [&](auto rb_tag, int64_t r0, int y0) {
       constexpr int RB = decltype(rb_tag)::value, KB = 16 / RB;
       const bool first = r0 == 0 && burst;
-      const __m512 sv = score16<LD, RB, KB>(q + r0 * Dkp, Dkp, qr + r0 * Drp, Drp, K + y0, KR + y0,
+      const __m512 sv = score16<LD, RB, KB>(qi + r0 * Dkp, qri + r0 * Drp, K + y0, KR + y0,
                                             kscale ? kscale + y0 : nullptr, Dk, Dr, first ? kp[cur ^ 1] + y0 : nullptr,
                                             first && Dr ? krp[cur ^ 1] + y0 : nullptr, pl, pl < pl_end ? pls : 0);
       alignas(64) float tmp[16];
