@@ -64,8 +64,8 @@ inline __m512 tree16(const __m512 (&a)[16]) {
 
 // Lane x KB + y = q_x . k_y (+ qr_x . kr_y), for RB rows of q and qr interleaved by vectors (the 16 features
 // from d of row x at q + RB d + 16 x: one pointer for all rows, which leaves general registers for the loop;
-// zero-padded to whole vectors; interleave_rows) and KB key rows k[y] (Dk elements of DT, scaled by ks[y] when ks is given) with RoPE rows kr[y]
-// (Dr floats). pk: the next tile's KB key rows (and pkr their RoPE rows) to prefetch, or null; pl: the spread
+// zero-padded to whole vectors; interleave_rows) and KB key rows k[y] (Dk elements of DT, scaled by ks[y] when
+// ks is given) with RoPE rows kr[y] (Dr floats). pk: the next tile's KB key rows (and pkr their RoPE rows) to prefetch, or null; pl: the spread
 // prefetch list (kPrefetchTiles), pls lines per step of 16 features, advanced.
 template <DType DT, int RB, int KB>
 inline __m512 score16(const float* q, const float* qr, const char* const* k,
@@ -276,7 +276,8 @@ constexpr int kPrefetchTiles = KVLM_PREFETCH_TILES;
 template <int RB>
 inline void interleave_rows(const float* q, int64_t W, int64_t r0, float* dst) {
   for (int64_t d = 0; d < W; d += 16)
-    for (int x = 0; x < RB; ++x) std::memcpy(dst + r0 * W + RB * d + 16 * x, q + (r0 + x) * W + d, 16 * sizeof(float));
+    for (int x = 0; x < RB; ++x)
+      std::memcpy(dst + r0 * W + RB * d + 16 * x, q + (r0 + x) * W + d, 16 * sizeof(float));
 }
 
 // One work item, as kvlm_decode::attend_range_t: rows [0, R) of group g of sequence b against keys [j0, j1);
@@ -306,8 +307,8 @@ void attend_range(const Job& J, const float* q, const float* qr, int64_t b, int6
   // q and qr by the row blocks of the score pass (4, then 2, then 1 rows), interleaved for score16
   std::vector<Line> qi_v(R * Dkp / 16), qri_v(std::max<int64_t>(R * Drp / 16, 1));
   float *qi = qi_v.data()->f, *qri = qri_v.data()->f;
-  for (int64_t r0 = 0; r0 < R; r0 += R - r0 >= 4 ? 4 : R - r0 >= 2 ? 2 : 1) {
-    const int64_t rb = R - r0 >= 4 ? 4 : R - r0 >= 2 ? 2 : 1;
+  for (int64_t r0 = 0, rb; r0 < R; r0 += rb) {
+    rb = R - r0 >= 4 ? 4 : R - r0 >= 2 ? 2 : 1;
     auto each = [&](auto tag) {
       interleave_rows<decltype(tag)::value>(q, Dkp, r0, qi);
       if (Drp) interleave_rows<decltype(tag)::value>(qr, Drp, r0, qri);
