@@ -2,7 +2,7 @@
 batch 9-16) and the few-row kernel on the plain weight, interleaved in one process. Issue 15's "weight GEMMs at
 batch 1-8 read weights near bandwidth": the experiment behind benchmarks/decode-limit.md's sections "Three
 passes..." and "A new machine...". benchmarks/csrc/few_rows.cpp is the experiment's copy of the kernel, with its
-prefetch distance as an argument (the package's, kvlm/kernels/csrc/few_rows.h, fixes it at 4 KiB from 4 rows).
+prefetch distance as an argument (the package's, kvlm/kernels/csrc/few_rows.h, fixes it at 16 KiB from 4 rows).
 
     OMP_NUM_THREADS=2 python benchmarks/few_rows_gemm.py 1 2 4 8 16     # ~2 min after a ~1 min build
 
@@ -44,7 +44,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("rows", type=int, nargs="+", help="row counts (batch x new tokens)")
     ap.add_argument("--rounds", type=int, default=10)
-    ap.add_argument("--prefetch", type=int, nargs="+", default=[0, 4096], help="prefetch distances (bytes)")
+    ap.add_argument("--prefetch", type=int, nargs="+", default=[0, 4096, 16384], help="prefetch distances (bytes)")
     args = ap.parse_args()
     ext = build()
     shapes = [(3 * D, D), (D, D), (2 * FFN, D), (D, FFN)] * 6 + [(VOCAB, D)]

@@ -9,7 +9,9 @@
 // shuffles (avx512::tree16) turns them into the 16 sums. The blocks of 16 weight rows of all the weights of a
 // call (q/k/v, gate/up: one input) are split over the threads in one parallel loop, each thread streaming a
 // contiguous run of them. From 4 rows on (compute-dense enough to hide the latency of a miss less well) each
-// weight row is prefetched 4 KiB ahead into L1: measured 1.3-1.45x faster at 8 rows, no gain at 1-2.
+// weight row is prefetched 16 KiB ahead into L1 (5 rows of 768 floats): measured on the AMD EPYC at 8 rows
+// 1.3-1.45x faster than none and 1.05-1.15x faster than 4 KiB ahead (benchmarks/few_rows_gemm.py --prefetch;
+// 32 and 64 KiB as 16), the decode step at batch 8 1.02-1.04x; no gain at 1-2 rows.
 #pragma once
 
 #if KVLM_AVX512
@@ -22,7 +24,7 @@
 namespace kvlm_decode {
 namespace few_rows {
 
-constexpr int64_t kPrefetchBytes = 4096;
+constexpr int64_t kPrefetchBytes = 16384;
 
 // y[r * ys + j] = x_r . w_j (+ bias[j]) for the RB rows x_r of x (stride K) and the nb <= 16 / RB weight rows
 // w_j of w (stride K); the block's missing weight rows repeat its last one (their sums are not stored).
