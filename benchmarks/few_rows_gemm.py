@@ -44,7 +44,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("rows", type=int, nargs="+", help="row counts (batch x new tokens)")
     ap.add_argument("--rounds", type=int, default=10)
-    ap.add_argument("--prefetch", type=int, nargs="+", default=[0, 4096, 16384], help="prefetch distances (bytes)")
+    ap.add_argument("--prefetch", type=int, nargs="+", default=[0, 16384, -32768],
+                    help="prefetch distances in bytes: > 0 into L1, < 0 into L2 (with --near into L1)")
+    ap.add_argument("--near", type=int, default=2048, help="with an L2 distance, also this far into L1 (0: not)")
     args = ap.parse_args()
     ext = build()
     shapes = [(3 * D, D), (D, D), (2 * FFN, D), (D, FFN)] * 6 + [(VOCAB, D)]
@@ -59,10 +61,10 @@ def main() -> None:
         calls = {"F.linear": lambda xs=xs: [F.linear(xs[w.shape[1]], w) for w in weights]}
         for pfd in args.prefetch:
             calls[f"few pf{pfd}"] = lambda xs=xs, pfd=pfd: [
-                ext.few_rows(xs[w.shape[1]], w, pfd, 8) for w in weights
+                ext.few_rows(xs[w.shape[1]], w, pfd, 8, args.near) for w in weights
             ]
             for w in weights[:4] + weights[-1:]:  # the kernel computes the product
-                got, ref = ext.few_rows(xs[w.shape[1]], w, pfd, 8), F.linear(xs[w.shape[1]], w)
+                got, ref = ext.few_rows(xs[w.shape[1]], w, pfd, 8, args.near), F.linear(xs[w.shape[1]], w)
                 torch.testing.assert_close(
                     got, ref, rtol=1e-4, atol=1e-3
                 )  # K products summed in another order

@@ -7,7 +7,7 @@
 // included from the package's sources).
 // Weight rows are split over the threads in blocks of 16; each weight block is read from memory once and from
 // L1 by the further row blocks. `pfd` > 0: software prefetch of every weight row pfd bytes ahead into L1
-// (< 0: -pfd bytes ahead into L2); `max_rb` caps the row block.
+// (< 0: -pfd bytes ahead into L2, and `near` > 0 bytes ahead into L1 as well); `max_rb` caps the row block.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/utils/pybind.h>
@@ -17,7 +17,7 @@
 namespace {
 // y[x][n0 + j] for RB rows x, NB = 16 / RB weight rows
 template <int RB>
-inline void block(const float* x, int64_t xs, const float* w, int64_t K, float* y, int64_t ys, int64_t n0, int nb, int64_t pfd) {
+inline void block(const float* x, int64_t xs, const float* w, int64_t K, float* y, int64_t ys, int64_t n0, int nb, int64_t pfd, int64_t near) {
   constexpr int NB = 16 / RB;
   __m512 a[16];
   for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
@@ -29,6 +29,7 @@ inline void block(const float* x, int64_t xs, const float* w, int64_t K, float* 
     for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_ps(wr[j] + k);
     if (pfd > 0) for (int j = 0; j < NB; ++j) _mm_prefetch((const char*)(wr[j] + k) + pfd, _MM_HINT_T0);
     if (pfd < 0) for (int j = 0; j < NB; ++j) _mm_prefetch((const char*)(wr[j] + k) - pfd, _MM_HINT_T1);
+    if (pfd < 0 && near > 0) for (int j = 0; j < NB; ++j) _mm_prefetch((const char*)(wr[j] + k) + near, _MM_HINT_T0);
     for (int r = 0; r < RB; ++r) {
       const __m512 xv = _mm512_loadu_ps(x + r * xs + k);
       for (int j = 0; j < NB; ++j) a[r * NB + j] = _mm512_fmadd_ps(xv, wv[j], a[r * NB + j]);
@@ -49,7 +50,7 @@ inline void block(const float* x, int64_t xs, const float* w, int64_t K, float* 
     for (int j = 0; j < nb; ++j) y[r * ys + n0 + j] = s[r * NB + j];
 }
 
-at::Tensor few_rows(const at::Tensor& x, const at::Tensor& w, int64_t pfd, int64_t max_rb) {
+at::Tensor few_rows(const at::Tensor& x, const at::Tensor& w, int64_t pfd, int64_t max_rb, int64_t near) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "x (M, K) and w (N, K)");
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat, "float32 only");
   TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "contiguous x and w only");
@@ -68,7 +69,7 @@ at::Tensor few_rows(const at::Tensor& x, const at::Tensor& w, int64_t pfd, int64
       auto run = [&](auto tag) {
         constexpr int RB = decltype(tag)::value, NB = 16 / RB;
         for (int64_t n0 = n_lo; n0 < n_hi; n0 += NB)
-          block<RB>(xp + r * K, K, wp, K, yp + r * N, N, n0, (int)std::min<int64_t>(NB, n_hi - n0), pfd);
+          block<RB>(xp + r * K, K, wp, K, yp + r * N, N, n0, (int)std::min<int64_t>(NB, n_hi - n0), pfd, near);
         r += RB;
       };
       while (max_rb >= 8 && M - r >= 8) run(std::integral_constant<int, 8>());

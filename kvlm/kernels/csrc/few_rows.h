@@ -8,10 +8,13 @@
 // dot-product form, RB rows of x x NB = 16 / RB weight rows as 16 AVX-512 accumulators over K, then one tree of
 // shuffles (avx512::tree16) turns them into the 16 sums. The blocks of 16 weight rows of all the weights of a
 // call (q/k/v, gate/up: one input) are split over the threads in one parallel loop, each thread streaming a
-// contiguous run of them. From 4 rows on (compute-dense enough to hide the latency of a miss less well) each
-// weight row is prefetched 16 KiB ahead into L1 (5 rows of 768 floats): measured on the AMD EPYC at 8 rows
-// 1.3-1.45x faster than none and 1.05-1.15x faster than 4 KiB ahead (benchmarks/few_rows_gemm.py --prefetch;
-// 32 and 64 KiB as 16), the decode step at batch 8 1.02-1.04x; no gain at 1-2 rows.
+// contiguous run of them. From 4 rows on (compute-dense enough that the core's own window of misses no longer
+// covers memory's latency) each weight row is prefetched twice: 32 KiB ahead into L2 and 2 KiB ahead into L1.
+// A prefetch into L1 holds one of the core's few L1 miss buffers until the line arrives from memory, which caps
+// a core's stream; into L2 it does not, and the near one then only moves lines from L2. Measured on the AMD EPYC
+// at 8 rows (benchmarks/few_rows_gemm.py, interleaved): 1.35-1.48x faster than 16 KiB ahead into L1 alone while
+// the machine streamed 55-60 GB/s, 1.05x while others held it at ~37 (16 KiB into L1 was itself 1.3-1.45x faster
+// than no prefetch); at 1-2 rows the hardware prefetchers alone are fastest.
 #pragma once
 
 #if KVLM_AVX512
@@ -24,14 +27,14 @@
 namespace kvlm_decode {
 namespace few_rows {
 
-constexpr int64_t kPrefetchBytes = 16384;
+constexpr int64_t kFarBytes = 32768, kNearBytes = 2048;  // into L2, into L1: from 4 rows on
 
 // y[r * ys + j] = x_r . w_j (+ bias[j]) for the RB rows x_r of x (stride K) and the nb <= 16 / RB weight rows
 // w_j of w (stride K); the block's missing weight rows repeat its last one (their sums are not stored).
 template <int RB>
 inline void block(const float* x, const float* w, int64_t K, int nb, float* y, int64_t ys, const float* bias) {
   constexpr int NB = 16 / RB;
-  constexpr int64_t pf = RB >= 4 ? kPrefetchBytes : 0;
+  constexpr bool pf = RB >= 4;
   __m512 a[16];
   for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
   const float* wr[NB];
@@ -41,7 +44,10 @@ inline void block(const float* x, const float* w, int64_t K, int nb, float* y, i
     __m512 wv[NB];
     for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_ps(wr[j] + k);
     if (pf)
-      for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(wr[j] + k) + pf, _MM_HINT_T0);
+      for (int j = 0; j < NB; ++j) {
+        _mm_prefetch(reinterpret_cast<const char*>(wr[j] + k) + kFarBytes, _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(wr[j] + k) + kNearBytes, _MM_HINT_T0);
+      }
     for (int r = 0; r < RB; ++r) {
       const __m512 xv = _mm512_loadu_ps(x + r * K + k);
       for (int j = 0; j < NB; ++j) a[r * NB + j] = _mm512_fmadd_ps(xv, wv[j], a[r * NB + j]);
