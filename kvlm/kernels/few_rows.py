@@ -9,6 +9,10 @@ reference shape's 268 MB of weights, 2 threads (``benchmarks/few_rows_gemm.py``;
 | AMD EPYC (Zen 5) | 1 / 2 / 8 | 16.4 / 29.9 / 25.4 | - / 20.1 / 24.6 | 4.8 / 5.2 / 7.6 |
 | Intel Xeon 2.5 GHz | 1 / 2 / 8 | 15.7 / 16.0 / 43.1 | - / 18.5 / 21.5 | 14.9 / 15.5 / 20.4 |
 
+From 4 rows the kernel prefetches each weight row 32 KiB ahead into L2 and 2 KiB ahead into L1 (csrc/few_rows.h):
+at 8 rows on the AMD EPYC 4.8-4.9 ms (55 GB/s) where 16 KiB ahead into L1 alone took 6.9-7.1 ms, in rounds when
+the machine streamed ~60 GB/s; even (1.05x) when other tenants held it at ~37.
+
 So up to ``FEW_ROWS`` rows ``kvlm.attention.linear.Linear`` takes it before any packed copy. From 9 to
 ``MAX_ROWS`` rows the products become compute-dense and which path wins depends on the CPU: at 16 rows the
 kernel streamed the weights in 11.4 ms against MKL packed 29.7 on the AMD EPYC, 33.5 against 26.2 on the Intel
