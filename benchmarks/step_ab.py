@@ -11,9 +11,14 @@ Pieces (old arm -> new arm), at the bench reference shape:
 - ``huge-page cache``: the cache's pools in 4 KiB pages -> in 2 MiB pages (``kvlm.hugepages``), long contexts;
 - ``huge-page weights``: parameters in 4 KiB pages -> moved by ``prepare_for_inference``, batch 1, 1 token;
 - ``few-row GEMMs``: the weight products as before the few-row kernel (F.linear, or MKL's copy packed for the
-  batch at 4-16 rows) -> ``kvlm.kernels.few_rows`` (up to 8 rows), 1 cached token.
+  batch at 4-16 rows) -> ``kvlm.kernels.few_rows`` (up to 8 rows), 1 cached token;
+- ``kernel sources`` (with ``--baseline REV``): the C++ kernels built from git revision REV's sources (as
+  ``kernel_micro.py --baseline`` builds them) -> the working tree's, long contexts: a kernel change seen in the
+  whole step.
 
 ``--pieces`` picks some (names as above).
+
+    OMP_NUM_THREADS=2 python benchmarks/step_ab.py --baseline HEAD --pieces "kernel sources"   # ~1 min + builds
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import statistics
 import time
 
 import torch
+from kernel_micro import build_baseline  # this folder
 
 import kvlm.attention.mla as mla_module
 import kvlm.attention.norm as model_module
@@ -31,6 +37,7 @@ import kvlm.kernels.few_rows as few_rows_module
 from kvlm import hugepages
 from kvlm.bench.plan import parse_variant
 from kvlm.inference.generation import packs_for
+from kvlm.kernels import cpu
 from kvlm.model import build_model
 
 SHAPE = dict(n_layer=6, d_model=768, n_head=12, vocab_size=32000, ffn_dim=2048)
@@ -40,7 +47,8 @@ VARIANTS = ["mha", "gqa:n_kv_head=3", MLA]
 VARIANTS_QUICK = ["mha", "gqa:n_kv_head=2", "mla:kv_lora_rank=32:rope_head_dim=8"]
 
 
-PIECES = ["rms_norm", "head_matmul", "huge-page cache", "huge-page weights", "few-row GEMMs"]
+PIECES = ["rms_norm", "head_matmul", "huge-page cache", "huge-page weights", "few-row GEMMs", "kernel sources"]
+LONG = ("huge-page cache", "kernel sources")  # pieces timed at long contexts
 
 
 def _einsum_heads(x, w):
@@ -83,7 +91,7 @@ def ab(arms: dict, rounds: int) -> tuple[float, float, float]:
 
 
 def run(
-    spec: str, batch: int, context: int, piece: str, shape: dict, rounds: int
+    spec: str, batch: int, context: int, piece: str, shape: dict, rounds: int, baseline=None
 ) -> tuple[float, float, float]:
     mode = "absorbed" if spec.startswith("mla") else "auto"
     huge_weights = piece != "huge-page weights"
@@ -100,6 +108,7 @@ def run(
             m.pack_for_decode(layout)
     few = few_rows_module.FEW_ROWS, few_rows_module.MAX_ROWS
     fused, heads = model_module.one_pass_rms_norm, mla_module.head_matmul
+    kernels = cpu.extension()
 
     def step(arm: str):
         use_old = arm == "old"
@@ -107,12 +116,14 @@ def run(
         mla_module.head_matmul = _einsum_heads if use_old and piece == "head_matmul" else heads
         off = use_old and piece == "few-row GEMMs"
         few_rows_module.FEW_ROWS, few_rows_module.MAX_ROWS = (0, 0) if off else few
+        cpu._state["module"] = baseline if use_old and piece == "kernel sources" else kernels
         m = old_model if use_old else model
         cache = caches[arm]
         cache.length = context
         out = m(tok, cache=cache, mode=mode, last_only=True)
         model_module.one_pass_rms_norm, mla_module.head_matmul = fused, heads
         few_rows_module.FEW_ROWS, few_rows_module.MAX_ROWS = few
+        cpu._state["module"] = kernels
         return out
 
     with torch.inference_mode():
@@ -125,8 +136,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a toy shape, to check the script (seconds)")
     ap.add_argument("--rounds", type=int, default=25, help="interleaved rounds per line")
-    ap.add_argument("--pieces", nargs="+", default=PIECES, choices=PIECES, metavar="PIECE")
+    ap.add_argument("--pieces", nargs="+", default=PIECES[:-1], choices=PIECES, metavar="PIECE")
+    ap.add_argument("--baseline", metavar="REV", help="git revision whose kernel sources the piece 'kernel sources' "
+                    "times against the working tree's")
     a = ap.parse_args()
+    if "kernel sources" in a.pieces and not a.baseline:
+        ap.error("the piece 'kernel sources' needs --baseline REV")
+    if cpu.extension() is None and "kernel sources" in a.pieces:
+        ap.error(f"the kernels did not build here: {cpu.build_error()}")
+    baseline = build_baseline(a.baseline) if "kernel sources" in a.pieces else None
     shape = QUICK if a.quick else SHAPE
     variants = VARIANTS_QUICK if a.quick else VARIANTS
     long = {1: 256, 8: 128} if a.quick else {1: 8192, 8: 4096}
@@ -142,8 +160,8 @@ def main() -> None:
             for batch in (1, 8):
                 if piece == "huge-page weights" and batch != 1:
                     continue  # batch 4-16 reads MKL's packed copies, which torch allocates
-                context = long[batch] if piece == "huge-page cache" else 1
-                old, new, ratio = run(spec, batch, context, piece, shape, 3 if a.quick else a.rounds)
+                context = long[batch] if piece in LONG else 1
+                old, new, ratio = run(spec, batch, context, piece, shape, 3 if a.quick else a.rounds, baseline)
                 name = spec.split(":")[0]
                 print(
                     f"| {piece} | {name} | {batch} | {context} | {old:.2f} | {new:.2f} | {ratio:.3f} |",
