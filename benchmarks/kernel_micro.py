@@ -35,6 +35,7 @@ CASES = [
     ("mla", 12, 1, True, 256, 32, "fp32"),
     ("mla-int8", 12, 1, True, 256, 32, "int8"),
     ("mla-fp8", 12, 1, True, 256, 32, "fp8"),
+    ("mla-T2", 12, 1, True, 256, 32, "fp32"),  # -Tn: n new tokens a call (speculative verification)
     ("mla-T4", 12, 1, True, 256, 32, "fp32"),
     ("gqa-3", 12, 3, False, 64, 0, "fp32"),
     ("mha", 12, 12, False, 64, 0, "fp32"),
@@ -103,7 +104,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=9, help="interleaved rounds (medians)")
     ap.add_argument("--layers", type=int, default=3,
                     help="distinct caches, called in turn, so that a layer is not read from the last level cache")
-    ap.add_argument("--cases", default=",".join(c[0] for c in CASES))
+    ap.add_argument("--cases", default=",".join(c[0] for c in CASES if c[0] != "mla-T2"))
     ap.add_argument("--no-hardware", action="store_true", help="skip the bandwidth / peak measurement")
     a = ap.parse_args()
     threads = torch.get_num_threads()
@@ -127,7 +128,7 @@ def main() -> None:
     for name, H, G, latent, D, dR, store in CASES:
         if name not in wanted:
             continue
-        T = 4 if name.endswith("T4") else 1
+        T = int(name.rsplit("-T", 1)[1]) if "-T" in name else 1
         layers = [make_case(name, H, G, latent, D, dR, store, a.batch, a.context, T, seed=i) for i in range(a.layers)]
         _, flops, nbytes = layers[0]
         times = {k: [] for k in mods}

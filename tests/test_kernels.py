@@ -63,6 +63,7 @@ LATENT_CASES = [  # (B, H, T, D_c, d_R, page size (None: one page per sequence),
     (2, 3, 1, 96, 16, 1, "fp32"),
     (3, 5, 4, 200, 0, 16, "fp32"),
     (1, 16, 8, 64, 32, None, "fp32"),
+    (2, 12, 4, 256, 32, 16, "fp32"),  # 48 rows of wide latents: the float32 tile widened (copied) once
     (2, 1, 2, 512, 32, 7, "fp32"),
     (2, 12, 1, 256, 32, 16, "int8"),
     (3, 4, 3, 200, 16, None, "int8"),

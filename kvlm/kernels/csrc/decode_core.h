@@ -471,7 +471,8 @@ void attend_range(const Job& J, const T* q, const T* qr, int64_t b, int64_t g, i
     if (dt == J.v.dtype && (dt == DType::f32 || dt == DType::bf16 || dt == DType::i8 || dt == DType::f8)) {
       auto run = [&](auto dt_tag) {
         constexpr DType DT = decltype(dt_tag)::value;
-        if (DT != DType::f32 && J.R >= avx512::kWidenRows) {
+        // widened once per tile: bf16 / int8 / fp8 from kWidenRows rows, float32 (a copy) from 4 kWidenRows
+        if ((DT != DType::f32 || J.R >= 4 * avx512::kWidenRows) && J.R >= avx512::kWidenRows) {
           if (wide)
             avx512::attend_range<DT, 16, true>(J, q, qr, b, g, j0, j1, lo, hi, m, l, acc);
           else
