@@ -47,7 +47,14 @@ VARIANTS = ["mha", "gqa:n_kv_head=3", MLA]
 VARIANTS_QUICK = ["mha", "gqa:n_kv_head=2", "mla:kv_lora_rank=32:rope_head_dim=8"]
 
 
-PIECES = ["rms_norm", "head_matmul", "huge-page cache", "huge-page weights", "few-row GEMMs", "kernel sources"]
+PIECES = [
+    "rms_norm",
+    "head_matmul",
+    "huge-page cache",
+    "huge-page weights",
+    "few-row GEMMs",
+    "kernel sources",
+]
 LONG = ("huge-page cache", "kernel sources")  # pieces timed at long contexts
 
 
@@ -137,8 +144,11 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a toy shape, to check the script (seconds)")
     ap.add_argument("--rounds", type=int, default=25, help="interleaved rounds per line")
     ap.add_argument("--pieces", nargs="+", default=PIECES[:-1], choices=PIECES, metavar="PIECE")
-    ap.add_argument("--baseline", metavar="REV", help="git revision whose kernel sources the piece 'kernel sources' "
-                    "times against the working tree's")
+    ap.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="git revision whose kernel sources the piece 'kernel sources' times against the working tree's",
+    )
     a = ap.parse_args()
     if "kernel sources" in a.pieces and not a.baseline:
         ap.error("the piece 'kernel sources' needs --baseline REV")
@@ -161,7 +171,9 @@ def main() -> None:
                 if piece == "huge-page weights" and batch != 1:
                     continue  # batch 4-16 reads MKL's packed copies, which torch allocates
                 context = long[batch] if piece in LONG else 1
-                old, new, ratio = run(spec, batch, context, piece, shape, 3 if a.quick else a.rounds, baseline)
+                old, new, ratio = run(
+                    spec, batch, context, piece, shape, 3 if a.quick else a.rounds, baseline
+                )
                 name = spec.split(":")[0]
                 print(
                     f"| {piece} | {name} | {batch} | {context} | {old:.2f} | {new:.2f} | {ratio:.3f} |",
