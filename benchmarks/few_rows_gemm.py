@@ -2,7 +2,8 @@
 batch 9-16) and the few-row kernel on the plain weight, interleaved in one process. Issue 15's "weight GEMMs at
 batch 1-8 read weights near bandwidth": the experiment behind benchmarks/decode-limit.md's sections "Three
 passes..." and "A new machine...". benchmarks/csrc/few_rows.cpp is the experiment's copy of the kernel, with its
-prefetch distance as an argument (the package's, kvlm/kernels/csrc/few_rows.h, fixes it at 16 KiB from 4 rows).
+prefetch distances as arguments (the package's, kvlm/kernels/csrc/few_rows.h, fixes them from 4 rows at 32 KiB
+into L2 and 2 KiB into L1: ``--prefetch -32768 --near 2048``).
 
     OMP_NUM_THREADS=2 python benchmarks/few_rows_gemm.py 1 2 4 8 16     # ~2 min after a ~1 min build
 

@@ -13,8 +13,8 @@
 // A prefetch into L1 holds one of the core's few L1 miss buffers until the line arrives from memory, which caps
 // a core's stream; into L2 it does not, and the near one then only moves lines from L2. Measured on the AMD EPYC
 // at 8 rows (benchmarks/few_rows_gemm.py, interleaved): 1.35-1.48x faster than 16 KiB ahead into L1 alone while
-// the machine streamed 55-60 GB/s, 1.05x while others held it at ~37 (16 KiB into L1 was itself 1.3-1.45x faster
-// than no prefetch); at 1-2 rows the hardware prefetchers alone are fastest.
+// the machine streamed 55-60 GB/s, 1.05x while others held it at ~37 (a prefetch into L1 alone was itself
+// 1.3-1.6x faster than none); at 1-2 rows the hardware prefetchers alone are fastest.
 #pragma once
 
 #if KVLM_AVX512
