@@ -38,7 +38,7 @@ def few_rows_fit(x: torch.Tensor, first: bool = True) -> bool:
     kernel's presence are checked when it runs.)"""
     k = x.shape[-1]
     most = FEW_ROWS if first else MAX_ROWS
-    return x.device.type == "cpu" and x.dtype == torch.float32 and k > 0 and 0 < x.numel() <= most * k
+    return x.is_cpu and x.dtype is torch.float32 and k > 0 and 0 < x.numel() <= most * k
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # not a tensor subclass (a tensor-parallel DTensor, as a Parameter too)
@@ -46,7 +46,7 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)  # not a tensor subclass (a tensor-p
 
 def _plain(t: torch.Tensor) -> bool:
     """A contiguous float32 CPU tensor of torch's own classes."""
-    return type(t) in _PLAIN and t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+    return type(t) in _PLAIN and t.dtype is torch.float32 and t.is_cpu and t.is_contiguous()
 
 
 def few_rows_available() -> bool:
@@ -70,17 +70,20 @@ def few_rows_linear(
     extension)."""
     if type(x) not in _PLAIN or not few_rows_fit(x, first) or torch.compiler.is_compiling():
         return None
-    if torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)):
-        return None
-    if not all(_plain(w) for w in weights) or not all(b is None or _plain(b) for b in biases):
+    # every weight and bias checked in one loop (a decode step makes ~30 of these calls: its Python is the cost)
+    grad = torch.is_grad_enabled() and x.requires_grad
+    k, n = x.shape[-1], 0
+    for w in weights:
+        if not _plain(w) or w.dim() != 2 or w.shape[1] != k:
+            return None  # a caller's shape error: F.linear names it
+        grad = grad or (w.requires_grad and torch.is_grad_enabled())
+        n += w.shape[0]
+    if grad or not all(b is None or _plain(b) for b in biases):
         return None
     ext = extension()
     if ext is None or not hasattr(ext, "few_rows_linear"):
         return None
-    k = x.shape[-1]
-    rows, n = x.numel() // k, sum(w.shape[0] for w in weights)
-    if any(w.dim() != 2 or w.shape[1] != k for w in weights):
-        return None  # a caller's shape error: F.linear names it
+    rows = x.numel() // k
     if count:
         count_flops("linear", 2 * rows * k * n)
     LINEAR_CALLS["few_rows"] += 1
