@@ -111,14 +111,6 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-@torch.compiler.disable
-def _begin_step(cache, tokens, dtype, mode, trace, fits):
-    """``cache.begin_step``, never traced: it reads the cache's left padding to the host, a graph break in any
-    case. Run eagerly, it leaves a compiled step two compiled regions (each a guard check, ~0.1 ms on a 2-core
-    CPU) where traced it made four."""
-    return cache.begin_step(tokens, dtype, mode, trace, fits=fits)
-
-
 class KVLM(nn.Module):
     """The decoder-only language model of a ``ModelConfig``: token embedding, ``n_layer`` pre-norm blocks
     (the attention mechanism ``cfg.attention`` from kvlm.attention's registry, then the MLP), final norm and LM
@@ -231,7 +223,7 @@ class KVLM(nn.Module):
         else:  # the cache places the tokens (KVCache: shared slots; a paged batch: per-sequence lengths)
             if not torch.compiler.is_compiling():
                 self._check_cache_fits(cache)  # every call, not only the first: cheap after the first (memo)
-            step = _begin_step(cache, tokens, self.embed.weight.dtype, mode, trace, self._check_cache_fits)
+            step = cache.begin_step(tokens, self.embed.weight.dtype, mode, trace, fits=self._check_cache_fits)
         x = self.embed(tokens)
         if self.pos_embed is not None:
             x = x + self.pos_embed(step.positions)

@@ -18,11 +18,13 @@ CASES = [
 ]
 
 
-def _model_and_cache(attention, extra, batch=2, cached=5):
+def _model_and_cache(attention, extra, batch=2, cached=5, pad=None):
     torch.manual_seed(0)
     cfg = tiny_config(attention, max_seq_len=32, **extra)
     model = build_model(cfg).eval()
     cache = model.new_cache(batch, 24)
+    if pad is not None:
+        cache.set_left_padding(pad)
     cache.fill_random_(cached, cfg.vocab_size)
     tok = torch.randint(0, cfg.vocab_size, (batch, 1))
     return model, cache, tok
@@ -68,10 +70,11 @@ def test_the_eager_step_does_not_go_through_the_dispatcher(monkeypatch):
     assert not calls
 
 
+@pytest.mark.parametrize("pad", [None, [3, 0]], ids=["unpadded", "left-padded"])
 @pytest.mark.parametrize("attention,extra,counter", [CASES[0], CASES[2]])
-def test_compiled_decode_equals_eager_as_the_cache_grows(attention, extra, counter):
+def test_compiled_decode_equals_eager_as_the_cache_grows(attention, extra, counter, pad):
     require_kernels()
-    model, cache, tok = _model_and_cache(attention, extra)
+    model, cache, tok = _model_and_cache(attention, extra, pad=pad)
     model.pack_for_decode(2)  # packed weights: the compiled step runs them through kvlm::packed_linear
     mode = "absorbed" if attention == "mla" else "auto"
     torch._dynamo.reset()
@@ -79,19 +82,42 @@ def test_compiled_decode_equals_eager_as_the_cache_grows(attention, extra, count
     with torch.inference_mode():
         for length in (5, 6, 9, 12):  # new lengths: the first compiles, the next with a dynamic length
             cache.length = length
+            flops = kernels.FLOPS["attention"]
             eager = model(tok, cache=cache, mode=mode)
+            eager_flops = kernels.FLOPS["attention"] - flops
             cache.length = length
-            before = kernels.CALLS[counter]
+            before, flops = kernels.CALLS[counter], kernels.FLOPS["attention"]
             compiled = step(tok)
             assert kernels.CALLS[counter] - before == model.cfg.n_layer
+            assert kernels.FLOPS["attention"] - flops == eager_flops > 0  # counted in the operator, traced
             torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("attention,extra,counter", [CASES[0], CASES[2]])
+def test_the_growing_cache_compiles_twice_not_every_step(attention, extra, counter):
+    """The first step compiles for its cache length, the second for any length; later steps, each a token
+    longer, reuse that graph. (A cache length specialised on would recompile every step, until torch's
+    recompile limit sent the step back to eager.)"""
+    require_kernels()
+    from torch._dynamo.utils import counters
+
+    model, cache, tok = _model_and_cache(attention, extra)
+    mode = "absorbed" if attention == "mla" else "auto"
+    torch._dynamo.reset()
+    counters.clear()
+    step = torch.compile(lambda t: model(t, cache=cache, mode=mode))
+    graphs = []
+    with torch.inference_mode():
+        for _ in range(8):
+            step(tok)
+            graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[2:] == [graphs[1]] * 6, graphs
+
+
+@pytest.mark.parametrize("attention,extra,counter", [CASES[0], CASES[2]])
 def test_the_step_is_one_graph(attention, extra, counter):
-    """The step traces into one graph, unbroken: the cache's ``begin_step`` (which reads the left padding to the
-    host) runs outside it, eagerly, and nothing else breaks it (once the extension is loaded: a first eager call
-    here)."""
+    """The whole step traces into one graph, unbroken: traced, the cache reads nothing back to the host (once the
+    extension is loaded: a first eager call here)."""
     require_kernels()
     model, cache, tok = _model_and_cache(attention, extra)
     mode = "absorbed" if attention == "mla" else "auto"

@@ -58,13 +58,15 @@ def test_step_slots_ignore_a_padding_noted_for_another_step():
     pad = torch.tensor([1, 0])
     slots = StepSlots(2, "cpu", pad)
     first = Step.build(torch.zeros(2, 1, dtype=torch.long), 3, pad)
-    slots.note_pad(first, [1, 0])
+    slots.begin(first, [1, 0])
     pad.copy_(torch.tensor([0, 2]))
     second = Step.build(torch.zeros(2, 1, dtype=torch.long), 3, pad)
     start, end, keys, longest = slots.get(second)  # the note belongs to `first`: read the tensor
     assert start.tolist() == [0, 2] and end.tolist() == [4, 4] and (keys, longest) == (6, 4)
-    slots.note_pad(second, [0, 2])
     assert slots.get(second)[0] is start  # the same call again: the memo, not a rebuild
+    slots.begin(second, [0, 2])
+    again = slots.get(second)
+    assert again[0] is not start and again[2:] == (6, 4)  # a step begun anew: built anew
 
 
 def test_paged_views_share_one_index_per_call():

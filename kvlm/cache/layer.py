@@ -143,16 +143,21 @@ class StepSlots:
         self._slots: tuple | None = None
         self._host_pad: tuple | None = None  # (step, pads as ints) noted by the cache when it built the step
 
-    def note_pad(self, step: Step, pads: list[int]) -> None:
-        """The padding ``step`` was built with, already read to the host by the caller (spares a read-back)."""
+    def begin(self, step: Step, pads: list[int] | None) -> None:
+        """A new step: nothing built for an earlier one is served; ``pads``, the padding ``step`` was built
+        with, already read to the host by the caller (spares a read-back), or None (a traced step: the views
+        then carry no host totals, and the kernels read theirs from the tensors)."""
+        self._step = self._slots = None
         self._host_pad = (step, pads)
 
-    def get(self, step: Step) -> tuple[torch.Tensor, torch.Tensor, int, int]:
-        """(start, end) int32 tensors and the host (keys, longest) of ``step``."""
+    def get(self, step: Step) -> tuple[torch.Tensor, torch.Tensor, int | None, int | None]:
+        """(start, end) int32 tensors and the host (keys, longest) of ``step`` (None, None when traced)."""
         if self._step is not step:
             B, device = self.batch_size, self.table.device
             if self._host_pad is not None and self._host_pad[0] is step:
                 pads = self._host_pad[1]
+            elif torch.compiler.is_compiling():
+                pads = None
             else:
                 pads = self.pad.tolist() if self.pad is not None else [0] * B
             start = (
@@ -161,7 +166,10 @@ class StepSlots:
                 else torch.zeros(B, dtype=torch.int32, device=device)
             )
             end = torch.full((B,), step.end, dtype=torch.int32, device=device)
-            self._slots = (start, end, B * step.end - sum(pads), step.end - min(pads, default=0))
+            if pads is None:
+                self._slots = (start, end, None, None)
+            else:
+                self._slots = (start, end, B * step.end - sum(pads), step.end - min(pads, default=0))
             self._step = step
         return self._slots
 

@@ -149,7 +149,7 @@ def _splits(items: int, view: BlockView) -> int:
 
 def _run(
     name: str,
-    flops: int,
+    flops_per_key: int,
     items: int,
     view: BlockView,
     q,
@@ -163,16 +163,17 @@ def _run(
     scale: float,
 ) -> torch.Tensor:
     """The CPU kernel over ``view``'s pages: eagerly the extension itself, under torch.compile the custom
-    operator of kvlm.kernels.library (the same call, opaque to the compiler, its host work inside)."""
+    operator of kvlm.kernels.library (the same call, opaque to the compiler, its host work inside: the split
+    and the FLOP count, ``flops_per_key`` times the visible keys, which a traced step does not know)."""
     if torch.compiler.is_compiling():
         from kvlm.kernels.library import decode_attention
 
         return decode_attention(
             q, q_rope, k_pool, k_scale, v_pool, v_scale, kr_pool, view.block_table, view.start, view.end,
-            view.page_size, n_new, scale, items, view.longest, name, flops,
+            view.page_size, n_new, scale, items, view.longest, name, flops_per_key,
         )  # fmt: skip
     CALLS[name] += 1
-    count_flops("attention", flops)
+    count_flops("attention", flops_per_key * _keys(view))
     return cpu.extension().decode_attention(
         q, q_rope, k_pool, k_scale, v_pool, v_scale, kr_pool, view.block_table, view.start, view.end,
         view.page_size, n_new, scale, _splits(items, view),
@@ -243,9 +244,9 @@ def latent_decode(
     pool = c_kv.pool.unsqueeze(1)
     s = _scale(c_kv.scale)
     s = None if s is None else s.unsqueeze(1)
-    flops = 2 * H * T * _keys(c_kv) * (2 * Dc + (0 if q_rope is None else q_rope.shape[-1]))
+    per_key = 2 * H * T * (2 * Dc + (0 if q_rope is None else q_rope.shape[-1]))
     kr = None if k_rope is None else k_rope.pool
-    out = _run("latent_cpu", flops, B, c_kv, q, qr, pool, s, pool, s, kr, n_new, scale)
+    out = _run("latent_cpu", per_key, B, c_kv, q, qr, pool, s, pool, s, kr, n_new, scale)
     return out.view(B, H, T, Dc)
 
 
@@ -280,9 +281,9 @@ def latent_block_decode(
     q = q_lat.reshape(B, G, R * T, D)
     qr = None if q_rope is None else q_rope.reshape(B, G, R * T, q_rope.shape[-1])
     s = _scale(c_kv.scale)
-    flops = 2 * G * R * T * _keys(c_kv) * (2 * D + (0 if q_rope is None else q_rope.shape[-1]))
+    per_key = 2 * G * R * T * (2 * D + (0 if q_rope is None else q_rope.shape[-1]))
     kr = None if k_rope is None else k_rope.pool
-    out = _run("latent_block_cpu", flops, B * G, c_kv, q, qr, c_kv.pool, s, c_kv.pool, s, kr, n_new, scale)
+    out = _run("latent_block_cpu", per_key, B * G, c_kv, q, qr, c_kv.pool, s, c_kv.pool, s, kr, n_new, scale)
     return out.view(B, G, R, T, D)
 
 
@@ -314,10 +315,10 @@ def gqa_decode(
         return _unavailable(strict, why)
     G = k.pool.shape[1]
     dr = 0 if q_rope is None else q_rope.shape[-1]
-    flops = 2 * Hq * T * _keys(k) * (D + dr + v.pool.shape[-1])
+    per_key = 2 * Hq * T * (D + dr + v.pool.shape[-1])
     qr = None if q_rope is None else q_rope.reshape(B, G, Hq // G * T, dr)
     out = _run(
-        "gqa_cpu", flops, B * G, k, q.reshape(B, G, Hq // G * T, D), qr, k.pool, _scale(k.scale), v.pool,
+        "gqa_cpu", per_key, B * G, k, q.reshape(B, G, Hq // G * T, D), qr, k.pool, _scale(k.scale), v.pool,
         _scale(v.scale), None if k_rope is None else k_rope.pool, n_new, scale,
     )  # fmt: skip
     return out.view(B, Hq, T, v.pool.shape[-1])

@@ -30,17 +30,17 @@ _LIB = torch.library.Library("kvlm", "DEF")
 _LIB.define(
     "decode_attention(Tensor q, Tensor? q_rope, Tensor k_pool, Tensor? k_scale, Tensor v_pool, Tensor? v_scale, "
     "Tensor? kr_pool, Tensor block_table, Tensor start, Tensor end, int page_size, int n_new, float scale, "
-    "int items, int? longest, str name, int flops) -> Tensor"
+    "int items, int? longest, str name, int flops_per_key) -> Tensor"
 )
 _LIB.define("packed_linear(Tensor x, Tensor[] weights, Tensor?[] biases) -> Tensor")
 
 
 def _decode_attention(q, q_rope, k_pool, k_scale, v_pool, v_scale, kr_pool, block_table, start, end, page_size,
-                      n_new, scale, items, longest, name, flops):  # fmt: skip
+                      n_new, scale, items, longest, name, flops_per_key):  # fmt: skip
     from kvlm.kernels.shared import CALLS, count_flops, split_count
 
     CALLS[name] += 1
-    count_flops("attention", flops)
+    count_flops("attention", flops_per_key * int((end - start).sum()))  # every visible key (sum: int64)
     return extension().decode_attention(
         q, q_rope, k_pool, k_scale, v_pool, v_scale, kr_pool, block_table, start, end, page_size, n_new, scale,
         split_count(items, longest, start, end),
@@ -52,7 +52,7 @@ _LIB.impl("decode_attention", _decode_attention, "CompositeExplicitAutograd")
 
 @torch.library.register_fake("kvlm::decode_attention", lib=_LIB)
 def _(q, q_rope, k_pool, k_scale, v_pool, v_scale, kr_pool, block_table, start, end, page_size, n_new, scale,
-      items, longest, name, flops):  # fmt: skip
+      items, longest, name, flops_per_key):  # fmt: skip
     return q.new_empty((*q.shape[:-1], v_pool.shape[-1]))
 
 
