@@ -215,3 +215,22 @@ def test_generate_compiled_names_a_compiler_failure(monkeypatch):
     monkeypatch.setitem(generation._COMPILED, type(model), torch.compile(type(model).forward, backend=no_compiler))
     with pytest.raises(RuntimeError, match="compile=True.*Generate without compile"):
         generate(model, [1, 2, 3], 4, compile=True)
+
+
+@pytest.mark.parametrize(
+    "attention,extra,mode",
+    [("gqa", dict(n_kv_head=2), "auto"), ("mla", dict(kv_lora_rank=48, rope_head_dim=8), "absorbed")],
+)
+def test_compiled_plain_path_equals_eager_with_left_padding(attention, extra, mode, monkeypatch):
+    """Without the kernels (the plain PyTorch path, as on a GPU without Triton), the traced step masks the left
+    padding it can no longer read back, and equals the eager step."""
+    monkeypatch.setenv("KVLM_KERNELS", "0")
+    model, cache, tok = _model_and_cache(attention, extra, pad=[3, 0])
+    torch._dynamo.reset()
+    step = torch.compile(lambda t: model(t, cache=cache, mode=mode))
+    with torch.inference_mode():
+        for length in (5, 6, 9):
+            cache.length = length
+            eager = model(tok, cache=cache, mode=mode)
+            cache.length = length
+            torch.testing.assert_close(step(tok), eager, rtol=1e-5, atol=1e-5)
