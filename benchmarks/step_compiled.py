@@ -6,6 +6,7 @@ a dynamic one), and the timed rounds alternate eager and compiled steps.
 
     OMP_NUM_THREADS=2 python benchmarks/step_compiled.py            # ~6 min on 2 cores (compiling: 25-50 s a case)
     OMP_NUM_THREADS=2 python benchmarks/step_compiled.py --quick    # a toy shape: checks the script
+    OMP_NUM_THREADS=2 python benchmarks/step_compiled.py --generate # generate(compile=True) against eager, ~3 min
 
 Prints a markdown table: ms per step (medians over rounds), eager / compiled, compile seconds, the largest
 difference of the logits.
@@ -69,12 +70,40 @@ def case(spec: str, batch: int, context: int, shape: dict, rounds: int) -> dict:
     return {**ms, "compile_s": compile_s, "diff": diff}
 
 
+def generate_case(spec: str, shape: dict, prompt_len: int, new: int, rounds: int) -> dict:
+    """``generate`` with and without ``compile=True`` at batch 1 (a random prompt, greedy), alternated over
+    ``rounds``: ms per decoded token (``decode_s / decode_tokens``: the steps that compiled left out)."""
+    from kvlm import generate
+
+    _, cfg = parse_variant(spec, shape)
+    cfg = cfg.replace(max_seq_len=prompt_len + new)
+    torch.manual_seed(0)
+    model = build_model(cfg).eval()
+    prompt = [torch.randint(0, cfg.vocab_size, (prompt_len,)).tolist()]
+    mode = "absorbed" if spec.startswith("mla") else "auto"
+    ms: dict = {"eager": [], "compiled": []}
+    for _ in range(rounds):
+        for name in ms:
+            _, st = generate(model, prompt, new, return_stats=True, compile=name == "compiled", mode=mode)
+            ms[name].append(st["decode_s"] / st["decode_tokens"] * 1e3)
+    return {k: statistics.median(v) for k, v in ms.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a toy shape, to check the script")
     ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--generate", action="store_true", help="time generate(compile=True) against eager instead")
     args = ap.parse_args()
     shape, variants = (QUICK, VARIANTS_QUICK) if args.quick else (SHAPE, VARIANTS)
+    if args.generate:
+        prompt_len, new = (16, 12) if args.quick else (1024, 120)
+        print(f"{torch.get_num_threads()} threads, generate at batch 1, {prompt_len}-token prompt, {new} new tokens\n")
+        print("| variant | eager ms / token | compiled ms / token | eager / compiled |\n|---|---:|---:|---:|")
+        for spec in variants:
+            r = generate_case(spec, shape, prompt_len, new, 5)
+            print(f"| {spec.split(':')[0]} | {r['eager']:.2f} | {r['compiled']:.2f} | {r['eager'] / r['compiled']:.2f} |")
+        return
     sizes = [(1, 64), (8, 64)] if args.quick else [(1, 8192), (8, 4096)]
     print(f"{torch.get_num_threads()} threads\n")
     print(

@@ -199,7 +199,7 @@ def test_generate_compiled_gives_the_eager_tokens_and_times_compiling_apart():
     compiled, stats = generate(model, prompts, 20, return_stats=True, pack_weights=True, compile=True)
     assert compiled == eager
     assert eager_stats["compile_s"] == 0 and stats["compile_s"] > 0
-    assert 0 < stats["decode_tokens"] < eager_stats["decode_tokens"] == 4 * 19
+    assert stats["decode_tokens"] == 4 * (19 - 2) and eager_stats["decode_tokens"] == 4 * 19  # two steps compiled
     again, stats = generate(model, prompts, 20, return_stats=True, pack_weights=True, compile=True)
     assert again == eager and stats["compile_s"] == 0  # compiled once for this model class and batch
 

@@ -71,9 +71,9 @@ def generate(
     compiled, left out of decode_s and decode_tokens. torch keeps at most ``torch._dynamo.config.recompile_limit``
     (8) compiled versions of the forward per process (a model configuration or batch size takes one or two):
     past it the steps run eager, with torch's warning, and compile_s stays 0. Worth it only for long generations:
-    on this project's 2-core machine a step at the bench reference shape ran 1.04-1.06x faster at batch 1 / 8192
-    cached tokens and 1.03x at batch 8 / 4096 (benchmarks/step_compiled.py; most of what remains outside the
-    kernels is torch's guard check, ~0.35 ms a step).
+    on this project's 2-core machine, at the bench reference shape, decoding ran 1.02-1.08x faster at batch 1
+    (``benchmarks/step_compiled.py --generate``) and a step alone 1.03-1.06x at batch 1 / 8192 cached tokens and
+    batch 8 / 4096 (most of what remains outside the kernels is torch's guard check, ~0.35 ms a step).
     """
     single, prompts = _as_prompts(prompt_ids)
     vocab = model.cfg.vocab_size
