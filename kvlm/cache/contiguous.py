@@ -112,16 +112,12 @@ class KVCache:
             fits(self)
         if mode == "auto" and self.mode == "naive":
             mode = "naive"  # a materialised K/V cache has one route
-        if torch.compiler.is_compiling():
-            # traced: no read-back, which would break the graph and leave the step's end a constant of the
-            # graph after it (a recompile every step); the masks allow for padding, the kernels count keys
-            pads = None
-            step = Step.build(tokens, self.length, self.pad, mode, trace, padded=True)
-        else:
-            # the padding read to the host once per call: Step.build then needs no read-back of its own, and
-            # the layers' block views take their key counts from it (``StepSlots``), not one read-back each
-            pads = self.pad.tolist()
-            step = Step.build(tokens, self.length, self.pad, mode, trace, padded=any(pads))
+        # eagerly the padding is read to the host once per call: Step.build then needs no read-back of its own,
+        # and the layers' block views take their key counts from it (``StepSlots``), not one read-back each.
+        # Traced, nothing is read back (it would break the graph and leave the step's end a constant of the graph
+        # after it: a recompile every step); the masks then allow for padding, and the kernels count keys.
+        pads = None if torch.compiler.is_compiling() else self.pad.tolist()
+        step = Step.build(tokens, self.length, self.pad, mode, trace, padded=pads is None or any(pads))
         self.slots.begin(step, pads)
         step.cached_token_ids = self.append_token_ids(tokens, step)
         return step

@@ -41,6 +41,7 @@ from kvlm.kernels.shared import (  # noqa: F401 (re-exported)
     NORM_CALLS,
     count_flops,
     split_count,
+    visible_keys,
 )
 
 if TYPE_CHECKING:
@@ -182,7 +183,7 @@ def _run(
 
 def _keys(view: BlockView) -> int:
     """Cached keys of all sequences of a view (for the FLOP count): the cache's host value, else read back."""
-    return view.keys if view.keys is not None else int((view.end - view.start).sum())
+    return view.keys if view.keys is not None else visible_keys(view.start, view.end)
 
 
 def _too_short(view: BlockView, T: int) -> str | None:

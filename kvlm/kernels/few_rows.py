@@ -71,12 +71,13 @@ def few_rows_linear(
     if type(x) not in _PLAIN or not few_rows_fit(x, first) or torch.compiler.is_compiling():
         return None
     # every weight and bias checked in one loop (a decode step makes ~30 of these calls: its Python is the cost)
-    grad = torch.is_grad_enabled() and x.requires_grad
+    grad_on = torch.is_grad_enabled()
+    grad = grad_on and x.requires_grad
     k, n = x.shape[-1], 0
     for w in weights:
         if not _plain(w) or w.dim() != 2 or w.shape[1] != k:
             return None  # a caller's shape error: F.linear names it
-        grad = grad or (w.requires_grad and torch.is_grad_enabled())
+        grad = grad or (grad_on and w.requires_grad)
         n += w.shape[0]
     if grad or not all(b is None or _plain(b) for b in biases):
         return None

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from kvlm.kernels.cpu import extension
 from kvlm.kernels.few_rows import few_rows_linear
+from kvlm.kernels.shared import CALLS, count_flops, split_count, visible_keys
 
 # Defined with torch.library's low-level API (a schema, a Python kernel, a fake), not ``torch.library.custom_op``:
 # a call then costs ~3 us of dispatch instead of ~10 (custom_op's Python wrapper), which a compiled decode step
@@ -37,10 +38,8 @@ _LIB.define("packed_linear(Tensor x, Tensor[] weights, Tensor?[] biases) -> Tens
 
 def _decode_attention(q, q_rope, k_pool, k_scale, v_pool, v_scale, kr_pool, block_table, start, end, page_size,
                       n_new, scale, items, longest, name, flops_per_key):  # fmt: skip
-    from kvlm.kernels.shared import CALLS, count_flops, split_count
-
     CALLS[name] += 1
-    count_flops("attention", flops_per_key * int((end - start).sum()))  # every visible key (sum: int64)
+    count_flops("attention", flops_per_key * visible_keys(start, end))
     return extension().decode_attention(
         q, q_rope, k_pool, k_scale, v_pool, v_scale, kr_pool, block_table, start, end, page_size, n_new, scale,
         split_count(items, longest, start, end),

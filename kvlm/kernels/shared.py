@@ -25,6 +25,11 @@ def count_flops(kind: str, n: int) -> None:
     FLOPS[kind] += n
 
 
+def visible_keys(start: torch.Tensor, end: torch.Tensor) -> int:
+    """Keys of all sequences together, read back from their ranges [start, end) (the FLOP count's key total)."""
+    return int((end - start).sum())  # int32 ranges, an int64 sum
+
+
 def split_count(items: int, longest: int | None, start: torch.Tensor, end: torch.Tensor) -> int:
     """Pieces of the key axis per (sequence, group): the fewest that make the work items a multiple of the
     threads (batch 1 on 2 threads: 2 halves of the sequence; 3 KV heads on 2 threads: 6 items, not 2 + 1),
