@@ -37,7 +37,9 @@ import paired_floor  # this folder
 import torch
 
 from kvlm.bench import make_plan, run
+from kvlm.bench.hardware import best_of, measure_hardware
 from kvlm.bench.measure import fill_cache
+from kvlm.bench.roofline import attention_cost, operation_classes, operation_roofline, weight_classes
 from kvlm.inference.generation import packs_for
 from kvlm.kernels import few_rows
 from kvlm.model import build_model
@@ -126,10 +128,8 @@ def _multi_token_batch(model, cfg, batch, context, quick):
     for T in (1, 2, 4, 8, 16):
         tok = torch.randint(0, cfg.vocab_size, (batch, T))
         # weights packed for the call's B T rows (KVLM.pack_for_decode) as generate decides for a batch of that
-        # many rows (packs_for), beyond 16 rows always (MKL's layout for them), below 4 rows never
-        rows = batch * T
-        layout = packs_for(model, rows) if rows <= few_rows.MAX_ROWS else rows
-        model.pack_for_decode(layout)
+        # many rows (packs_for: the fastest layout measured here, or none)
+        model.pack_for_decode(packs_for(model, batch * T))
         packs = _packs(model)
         for mode in ("auto", "expand") if T in (1, 4, 16) else ("auto",):
             trace: list = []
@@ -143,9 +143,31 @@ def _multi_token_batch(model, cfg, batch, context, quick):
             calls[(T, mode)] = call
             call()  # warm; records the route
             calls[(T, mode)].route = trace[0][1]
+    hw = [measure_hardware(torch.device("cpu"), mib=8 if quick else 256, repeats=3)]
     ms = _interleaved(calls, 3 if quick else 6)
+    hw.append(measure_hardware(torch.device("cpu"), mib=8 if quick else 256, repeats=3))
     model.pack_for_decode(None)
-    return {f"T={T} {mode} ({calls[(T, mode)].route})": v for (T, mode), v in ms.items()}
+    best = best_of(*hw)
+    return {
+        f"T={T} {mode} ({calls[(T, mode)].route})": {
+            "ms": v, "floor_ms": _multi_token_floor(model, cfg, batch, context, T, calls[(T, mode)].route, best),
+            "gbs": best["bandwidth_gbs"], "gflops": best["matmul_fp32_gflops"],
+        }
+        for (T, mode), v in ms.items()
+    }  # fmt: skip
+
+
+def _multi_token_floor(model, cfg, batch, context, T, route, hw) -> float | None:
+    """The per-operation floor (ms) of a call of T new tokens per sequence on the absorbed route after
+    ``context`` cached tokens: the weights read once for B T rows; the cache read once, new token t attending to
+    context + t + 1 keys; the LM head at every new position. None on the expand route, whose up-projection of
+    the cache (once a call) the per-token ``decode_cost`` counts with every token."""
+    if route != "absorbed":
+        return None
+    per_t = [attention_cost(cfg, batch, context + t + 1, route, 4) for t in range(T)]
+    attention = {"bytes": per_t[-1]["bytes"], "flops": sum(a["flops"] for a in per_t)}
+    classes = operation_classes(weight_classes(model), attention, batch * T)
+    return sum(c["floor_ms"] for c in operation_roofline(classes, hw).values())
 
 
 def weights_packed(threads, quick):
@@ -396,13 +418,18 @@ def main() -> None:
         "",
         f"Multi-token decode (speculative verification), MLA, {64 if q else 4096} cached tokens, 2 threads, ms "
         "per call with the logits of every new position, weights packed for the call's rows (route taken in "
-        "parentheses; x T=1 = against T = 1 on the auto route):",
+        "parentheses; x T=1 = against T = 1 on the auto route); floor: the per-operation floor of the call (weights "
+        "read once for the B T rows, the cache once, each new token's attention FLOPs, the LM head at every "
+        "position) at the best of the bandwidth and matmul peak probed before and after the batch's timing:",
         "",
-        "| batch | call | ms | x T=1 |",
-        "|---:|---|---:|---:|",
+        "| batch | call | ms | x T=1 | floor ms | floor x T=1 | x floor |",
+        "|---:|---|---:|---:|---:|---:|---:|",
         *[
-            f"| {b} | {k} | {v:.1f} | {v / next(iter(row.values())):.2f} |"
+            f"| {b} | {k} | {v['ms']:.1f} | {v['ms'] / first['ms']:.2f} | "
+            + (f"{v['floor_ms']:.1f} | {v['floor_ms'] / first['floor_ms']:.2f} | {v['ms'] / v['floor_ms']:.2f} |"
+               if v["floor_ms"] else " | | |")
             for b, row in mt.items()
+            for first in [next(iter(row.values()))]
             for k, v in row.items()
         ],
         "",

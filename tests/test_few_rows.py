@@ -136,9 +136,27 @@ def test_the_packed_products_or_the_kernel_by_measurement(monkeypatch):
         assert got != slow
         if slow is None and few_rows.few_rows_available():
             assert got in (12, ANY_ROWS)
-    _off(monkeypatch)
-    monkeypatch.setattr(linear, "_FASTEST", {})
-    assert linear.fastest_packing(w, 13) in (13, ANY_ROWS)
+    # without the kernel, and beyond its rows with it, the unpacked arm is torch's own product: timed as well
+    monkeypatch.setattr(linear, "_packed_product", real_product)
+    monkeypatch.setattr(linear, "few_rows_linear", real_few)
+    real_unpacked = linear._unpacked_product
+    for rows, kernel in ((40, True), (13, False)):
+        if not kernel:
+            _off(monkeypatch)
+        for fast in (None, rows, ANY_ROWS):  # each arm made the fastest in turn: it is the answer
+            monkeypatch.setattr(linear, "_FASTEST", {})
+
+            def unpacked(*a, fast=fast, **k):
+                time.sleep(0.0 if fast is None else 0.02)
+                return real_unpacked(*a, **k)
+
+            def product(x, packed, weight, bias, r, fast=fast):
+                time.sleep(0.0 if r == fast else 0.02)
+                return real_product(x, packed, weight, bias, r)
+
+            monkeypatch.setattr(linear, "_unpacked_product", unpacked)
+            monkeypatch.setattr(linear, "_packed_product", product)
+            assert linear.fastest_packing(w, rows) == fast
 
 
 def _decode(model, B, n_new=1):

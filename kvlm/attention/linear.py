@@ -15,8 +15,8 @@ autograd:
     dynamic batch): the serving engine, whose steps have any number of rows. Measured on this project's 2-core
     Intel machine, the reference shape's weights at 1 thread: 8 / 16 / 32 rows 51 / 61 / 101 ms against
     104 / 96 / 149 ms unpacked and 41 / 50 / 89 ms for MKL's layout packed for exactly that count.
-  ``generate`` packs at batch 9-16 (4-16 where the kernel is missing) in whichever of the two layouts measured
-  fastest on this machine, or not at all where the kernel did (``fastest_packing``).
+  ``generate`` packs from batch 9 (from 4 where the kernel is missing) in whichever of the two layouts measured
+  fastest on this machine, or not at all where the unpacked product did (``fastest_packing``).
 - Up to ``MAX_ROWS`` (16) rows that no packed copy serves, the few-row kernel again.
 - Unpacked, 4-16 rows run as W x^T, which MKL streams faster than x W^T (the 32000 x 768 LM head at batch 8:
   12.4 ms against 25.6 ms on Intel); others F.linear.
@@ -74,19 +74,20 @@ _FASTEST: dict[tuple, int | str | None] = {}  # fastest_packing's answers, by (r
 
 def fastest_packing(weight: torch.Tensor, rows: int, rounds: int = 5) -> int | str | None:
     """What to pack for so that products of ``rows`` rows by ``weight`` run fastest on this machine: ``rows``
-    (MKL's layout for exactly that count), ``ANY_ROWS`` (oneDNN's blocked layout) or None (the few-row kernel on
-    the plain weight, no copy; also where nothing is available). The candidates this build and CPU have are timed
-    on ``weight`` (a decode step passes its LM head, the largest product) in ``rounds`` interleaved rounds, once
-    per process for each (rows, shape, threads): from 9 rows on the winner depends on the CPU (AMD EPYC: oneDNN's
-    1.2-1.3x ahead of the kernel at 12-16 rows, MKL's 2-3x behind; benchmarks/decode-limit.md)."""
+    (MKL's layout for exactly that count), ``ANY_ROWS`` (oneDNN's blocked layout) or None (no copy: the plain
+    weight as ``Linear`` takes it unpacked, by the few-row kernel up to ``MAX_ROWS`` rows, by torch's product
+    beyond; also where no library is available). The candidates this build and CPU have are timed on ``weight``
+    (a decode step passes its LM head, the largest product) in ``rounds`` interleaved rounds, once per process for
+    each (rows, shape, threads). From 9 rows on the winner depends on the CPU: on this project's AMD EPYC oneDNN's
+    layout was 1.2-1.3x ahead of the kernel at 12-16 rows and 2.2-2.6x ahead of torch's unpacked product (MKL,
+    which keeps off AVX-512 on AMD) at 24-512 rows, MKL's packed layout 2-3x behind (benchmarks/decode-limit.md);
+    on Intel MKL's layouts were ahead."""
     key = (rows, tuple(weight.shape), torch.get_num_threads())
     if key not in _FASTEST:
         with torch.no_grad():
             w = weight.detach().contiguous()
             x = torch.randn(rows, w.shape[1], dtype=w.dtype)
-            arms: dict = {}
-            if few_rows_linear(x, [w], [None], count=False, first=False) is not None:
-                arms[None] = lambda: few_rows_linear(x, [w], [None], count=False, first=False)
+            arms: dict = {None: lambda: _unpacked_product(x, w, None, count=False)}
             for layout in (rows, ANY_ROWS):
                 if packing_available(layout):
                     packed = _reorder(w, layout)
@@ -179,16 +180,24 @@ class Linear(nn.Linear):
                 y = few_rows_linear(x, [self.weight], [self.bias])
                 if y is None and self._packed is not None:
                     y = self._packed_for(x, rows)
-                if y is None:  # 9-16 rows that no packed copy serves
-                    y = few_rows_linear(x, [self.weight], [self.bias], first=False)
                 if y is not None:
                     return y
-        if rows < self.min_rows or rows > self.small_rows or x.device.type != "cpu":
-            return F.linear(x, self.weight, self.bias)
-        y = torch.mm(self.weight, x.reshape(rows, -1).t()).t()
-        if self.bias is not None:
-            y = y + self.bias
-        return y.contiguous().view(*x.shape[:-1], self.out_features)
+        return _unpacked_product(x, self.weight, self.bias)
+
+
+def _unpacked_product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, count: bool = True) -> torch.Tensor:
+    """x W^T + b as ``Linear`` computes it without a packed copy: the few-row kernel up to ``MAX_ROWS`` rows (9-16
+    rows: those no packed copy serves), else on CPU W x^T at ``min_rows``-``small_rows`` rows, else F.linear."""
+    rows = x.numel() // x.shape[-1] if x.numel() else 0
+    y = few_rows_linear(x, [w], [bias], count=count, first=False)
+    if y is not None:
+        return y
+    if rows < Linear.min_rows or rows > Linear.small_rows or x.device.type != "cpu":
+        return F.linear(x, w, bias)
+    y = torch.mm(w, x.reshape(rows, -1).t()).t()
+    if bias is not None:
+        y = y + bias
+    return y.contiguous().view(*x.shape[:-1], w.shape[0])
 
 
 def _packed_linear_flops(input_shape, packed_shape, weight_shape, *args, out_shape=None, **kwargs) -> int:

@@ -24,7 +24,7 @@ from kvlm.attention.base import MODES
 from kvlm.attention.linear import fastest_packing
 from kvlm.cache import CacheError
 from kvlm.inference.sampling import StopTracker, check_sampling, sample
-from kvlm.kernels.few_rows import FEW_ROWS, MAX_ROWS, few_rows_available
+from kvlm.kernels.few_rows import FEW_ROWS, few_rows_available
 from kvlm.logs import get_logger
 
 logger = get_logger(__name__)
@@ -61,8 +61,8 @@ def generate(
     model's dtype and device.
     pack_weights: decode with the weights in MKL's packed GEMM layout for this batch (``KVLM.pack_for_decode``;
     CPU float32 only; a second copy of the weights while it runs). None: in the layout ``packs_for`` names, where
-    it names one (batch 9-16 where MKL's or oneDNN's layout measured faster than the few-row kernel, 4-16
-    without that kernel), with at least ``PACK_MIN_STEPS`` decode steps on CPU float32.
+    it names one (from batch 9 where MKL's or oneDNN's layout measured faster than the unpacked product, from 4
+    without the few-row kernel), with at least ``PACK_MIN_STEPS`` decode steps on CPU float32.
     Weights the caller packed for this batch beforehand are used and kept.
     compile: run the decode steps through ``torch.compile`` (the prefill stays eager): kvlm's CPU kernels and
     packed products enter its graph as custom operators (``kvlm.kernels.library``), so a step loses most of its
@@ -170,16 +170,17 @@ PACK_MIN_STEPS = 16  # packing the reference shape's 260 MB of weights takes ~0.
 
 
 def packs_for(model, batch: int) -> int | str | None:
-    """What decode at ``batch`` sequences packs its weights for (``KVLM.pack_for_decode``), or None where it
-    does not gain: a kvlm model on CPU in float32 at batch 9-16 where the few-row kernel (kvlm.kernels.few_rows)
-    is (up to 8 rows it is the fastest), 4-16 where it is missing (below 4 rows F.linear streams the weights as
-    fast, benchmarks/decode_limit.py "GEMMs alone"); there the fastest of the kernel, MKL's layout for ``batch``
-    rows and oneDNN's for any (``fastest_packing``, on the LM head: once per process and batch)."""
+    """What decode steps of ``batch`` rows (sequences x new tokens) pack the weights for
+    (``KVLM.pack_for_decode``), or None where it does not gain: a kvlm model on CPU in float32 from 9 rows where
+    the few-row kernel (kvlm.kernels.few_rows) is (up to 8 rows it is the fastest), from 4 where it is missing
+    (below 4 rows F.linear streams the weights as fast, benchmarks/decode_limit.py "GEMMs alone"); there the
+    fastest of the unpacked product (the kernel up to 16 rows, torch's beyond), MKL's layout for ``batch`` rows
+    and oneDNN's for any (``fastest_packing``, on the LM head: once per process and row count)."""
     p = model.embed.weight
     if not hasattr(model, "pack_for_decode") or p.device.type != "cpu" or p.dtype != torch.float32:
         return None
     lowest = FEW_ROWS + 1 if few_rows_available() else 4
-    return fastest_packing(model.lm_head.weight, batch) if lowest <= batch <= MAX_ROWS else None
+    return fastest_packing(model.lm_head.weight, batch) if batch >= lowest else None
 
 
 def _pack(model, batch: int, max_new_tokens: int, pack_weights: bool | None) -> bool:
