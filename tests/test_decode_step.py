@@ -280,6 +280,48 @@ def test_generate_packs_in_onednn_layout_where_it_measured_fastest(monkeypatch):
     assert calls == [ANY_ROWS, None] and products and set(products) == {ANY_ROWS}
 
 
+@pytest.mark.parametrize("onednn_fastest", [True, False])
+def test_generate_packs_a_long_prompts_prefill_then_repacks_for_decode(monkeypatch, onednn_fastest):
+    """A prefill of ``PACK_MIN_PREFILL_ROWS`` rows or more runs on oneDNN's layout where it measured fastest at
+    ``PREFILL_PROBE_ROWS`` rows; after it the weights are repacked as the decode steps need (unpacked at batch 1),
+    and dropped at the end; the tokens equal the unpacked run's. Where it did not measure fastest, or the prompt
+    is shorter, nothing is packed."""
+    from kvlm.inference import generation
+    from kvlm.model import KVLM
+
+    if not packing_available(ANY_ROWS):
+        pytest.skip("this torch build has no oneDNN packed GEMM")
+    torch.manual_seed(0)
+    model = build_model(_cfg("gqa", n_kv_head=2)).eval()
+    prompt = [1 + i % 50 for i in range(24)]
+    plain = generate(model, prompt, 6, pack_weights=False)
+    calls, products, probed = [], [], []
+    orig = KVLM.pack_for_decode
+    monkeypatch.setattr(KVLM, "pack_for_decode", lambda self, rows: calls.append(rows) or orig(self, rows))
+    monkeypatch.setattr(generation, "PACK_MIN_PREFILL_ROWS", 24)
+
+    def fastest(w, rows):
+        probed.append(rows)
+        return ANY_ROWS if onednn_fastest and rows == generation.PREFILL_PROBE_ROWS else None
+
+    monkeypatch.setattr(generation, "fastest_packing", fastest)
+    real = linear_module._packed_product
+    monkeypatch.setattr(
+        linear_module, "_packed_product", lambda x, p, w, b, rows: products.append(x.shape[:-1]) or real(x, p, w, b, rows)
+    )
+    assert generate(model, prompt, 6) == plain
+    assert probed == [generation.PREFILL_PROBE_ROWS]  # batch 1 decodes unpacked: only the prefill asked
+    if onednn_fastest:
+        assert calls == [ANY_ROWS, None, None]  # packed, unpacked for decode after the prefill, dropped at the end
+        assert products and all(shape == (1, 24) for shape in products)  # only the prefill ran packed
+    else:
+        assert calls == [] and products == []
+    calls.clear()
+    generate(model, prompt[:23], 6)  # one row short
+    assert calls == []
+    assert all(m._packed is None for m in model.modules() if isinstance(m, Linear))
+
+
 def _spy_groups(monkeypatch) -> list[bool]:
     """Record, for each call of a packed group, whether it ran the fused product (True) or declined (False)."""
     from kvlm.attention.base import PackedGroup
