@@ -1,5 +1,6 @@
-"""Weight GEMMs of a decode step at 1-16 rows: torch's F.linear, MKL's packed layout (what ``generate`` uses at
-batch 9-16) and the few-row kernel on the plain weight, interleaved in one process. Issue 15's "weight GEMMs at
+"""Weight GEMMs of a decode step at a few rows (1-16; more for speculative verification or a large batch): torch's
+F.linear, MKL's packed layout, oneDNN's (``generate`` packs from 9 rows in whichever measured fastest:
+``fastest_packing``) and the few-row kernel on the plain weight, interleaved in one process. Issue 15's "weight GEMMs at
 batch 1-8 read weights near bandwidth": the experiment behind benchmarks/decode-limit.md's sections "Three
 passes..." and "A new machine...". benchmarks/csrc/few_rows.cpp is the experiment's copy of the kernel, with its
 prefetch distances as arguments (the package's, kvlm/kernels/csrc/few_rows.h, fixes them from 4 rows at 32 KiB
