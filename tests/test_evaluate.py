@@ -68,6 +68,35 @@ def test_perplexity_float32_and_inputs():
     assert want["windows"] == 4  # 69 targets in windows of 20
 
 
+def test_perplexity_runs_on_packed_weights_where_they_measured_faster(monkeypatch):
+    """float32 forwards of ``PACK_MIN_PREFILL_ROWS`` rows or more run on oneDNN's packed layout where it measured
+    fastest (``prefill_packs``), with the same loss to float32 rounding; dropped after; not where it did not win,
+    nor below the threshold."""
+    from kvlm.attention import linear
+    from kvlm.inference import generation
+
+    if not linear.packing_available(linear.ANY_ROWS):
+        pytest.skip("this torch build has no oneDNN packed GEMM")
+    model = _model(torch.float32)
+    ids = torch.randint(0, model.cfg.vocab_size, (70,))
+    plain = perplexity(model, ids, seq_len=20, batch_size=2)
+    products = []
+    real = linear._packed_product
+    monkeypatch.setattr(linear, "_packed_product", lambda x, *a: products.append(x.shape[:-1]) or real(x, *a))
+    monkeypatch.setattr(generation, "PACK_MIN_PREFILL_ROWS", 40)  # 2 windows of 20 rows a forward
+    for wins, want in ((linear.ANY_ROWS, True), (None, False)):
+        products.clear()
+        monkeypatch.setattr(generation, "fastest_packing", lambda w, rows, wins=wins: wins)
+        got = perplexity(model, ids, seq_len=20, batch_size=2)
+        assert got["loss"] == pytest.approx(plain["loss"], rel=1e-5)
+        assert bool(products) == want and all(shape[-1] == 20 for shape in products)
+        assert all(m._packed is None for m in model.modules() if isinstance(m, linear.Linear))
+    products.clear()
+    monkeypatch.setattr(generation, "fastest_packing", lambda w, rows: linear.ANY_ROWS)
+    perplexity(model, ids, seq_len=20, batch_size=1)  # 20 rows a forward: below the threshold
+    assert products == []
+
+
 def test_uniform_model_has_perplexity_vocab_size():
     model = _model()
     with torch.no_grad():

@@ -159,6 +159,32 @@ def test_the_packed_products_or_the_kernel_by_measurement(monkeypatch):
             assert linear.fastest_packing(w, rows) == fast
 
 
+def test_fastest_packing_names_a_layout_only_for_a_clear_gain(monkeypatch):
+    """A packed copy of the weights is named only when it beats the unpacked product by ``PACK_GAIN`` (near-ties
+    would flip with the machine's noise): on a clock the arms advance by set amounts."""
+    from types import SimpleNamespace
+
+    from kvlm.attention import linear
+
+    if not packing_available(ANY_ROWS):
+        pytest.skip("this torch build has no oneDNN packed GEMM")
+    clock = [0.0]
+    cost: dict = {}
+
+    def advance(arm):
+        clock[0] += cost.get(arm, 1.0)
+
+    monkeypatch.setattr(linear, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
+    monkeypatch.setattr(linear, "_unpacked_product", lambda *a, **k: advance(None))
+    monkeypatch.setattr(linear, "_packed_product", lambda x, p, w, b, rows: advance(rows))
+    w = torch.randn(40, 16)
+    for gain, want in ((1.05, None), (linear.PACK_GAIN * 1.02, ANY_ROWS)):
+        monkeypatch.setattr(linear, "_FASTEST", {})
+        cost.clear()
+        cost.update({None: 1.0, ANY_ROWS: 1.0 / gain, 24: 2.0})
+        assert linear.fastest_packing(w, 24) == want
+
+
 def _decode(model, B, n_new=1):
     """Logits of one decode step of B x n_new rows, the kernel's calls in it and the Linears' own calls."""
     torch.manual_seed(1)

@@ -70,6 +70,7 @@ def _packed_product(x, packed, shape_weight, bias, rows: int | str) -> torch.Ten
 
 
 _FASTEST: dict[tuple, int | str | None] = {}  # fastest_packing's answers, by (rows, weight shape, threads)
+PACK_GAIN = 1.1  # fastest_packing names a packed layout only when it is at least this much faster than none
 
 
 def fastest_packing(weight: torch.Tensor, rows: int, rounds: int = 5) -> int | str | None:
@@ -78,7 +79,8 @@ def fastest_packing(weight: torch.Tensor, rows: int, rounds: int = 5) -> int | s
     weight as ``Linear`` takes it unpacked, by the few-row kernel up to ``MAX_ROWS`` rows, by torch's product
     beyond; also where no library is available). The candidates this build and CPU have are timed on ``weight``
     (a decode step passes its LM head, the largest product) in ``rounds`` interleaved rounds, once per process for
-    each (rows, shape, threads). From 9 rows on the winner depends on the CPU: on this project's AMD EPYC oneDNN's
+    each (rows, shape, threads); a packed layout is named only when its median beats the unpacked one by
+    ``PACK_GAIN``. From 9 rows on the winner depends on the CPU: on this project's AMD EPYC oneDNN's
     layout was 1.2-1.3x ahead of the kernel at 12-16 rows and 2.2-2.6x ahead of torch's unpacked product (MKL,
     which keeps off AVX-512 on AMD) at 24-512 rows, MKL's packed layout 2-3x behind (benchmarks/decode-limit.md);
     on Intel MKL's layouts were ahead."""
@@ -98,7 +100,11 @@ def fastest_packing(weight: torch.Tensor, rows: int, rounds: int = 5) -> int | s
                     t0 = time.perf_counter()
                     f()
                     times[k].append(time.perf_counter() - t0)
-        _FASTEST[key] = min(arms, key=lambda k: statistics.median(times[k]) if times[k] else 0.0, default=None)
+        median = {k: statistics.median(v) if v else 0.0 for k, v in times.items()}
+        best = min(median, key=median.get)
+        # a copy of the weights only for a clear gain: near-ties would flip with the machine's noise from one
+        # process to the next (and with them the last bits of the products)
+        _FASTEST[key] = best if best is None or median[best] * PACK_GAIN <= median[None] else None
     return _FASTEST[key]
 
 

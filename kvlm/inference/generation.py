@@ -15,6 +15,7 @@ as they arrive (for streaming output).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 
@@ -203,6 +204,21 @@ def prefill_packs(model, rows: int) -> bool:
     return fastest_packing(model.lm_head.weight, PREFILL_PROBE_ROWS) == ANY_ROWS
 
 
+@contextlib.contextmanager
+def packed_for_rows(model, rows: int):
+    """Within it, the weights packed in oneDNN's layout for forwards of ``rows`` rows where that measured faster
+    (``prefill_packs``; evaluation's full-sequence forwards) and the caller has not packed them; dropped after.
+    Yields whether it packed them."""
+    lm_head = getattr(model, "lm_head", None)
+    packed = getattr(lm_head, "_packed", True) is None and prefill_packs(model, rows)
+    packed = packed and model.pack_for_decode(ANY_ROWS) > 0
+    try:
+        yield packed
+    finally:
+        if packed:
+            model.pack_for_decode(None)
+
+
 _KEEP = object()  # _pack: the decode steps keep the prefill's packing
 
 
@@ -316,4 +332,4 @@ class TextStream:
         return text[len(prefix) :]
 
 
-__all__ = ["TextStream", "generate", "packs_for", "prefill_packs"]
+__all__ = ["TextStream", "generate", "packed_for_rows", "packs_for", "prefill_packs"]
