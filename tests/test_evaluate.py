@@ -95,6 +95,16 @@ def test_perplexity_runs_on_packed_weights_where_they_measured_faster(monkeypatc
     monkeypatch.setattr(generation, "fastest_packing", lambda w, rows: linear.ANY_ROWS)
     perplexity(model, ids, seq_len=20, batch_size=1)  # 20 rows a forward: below the threshold
     assert products == []
+    # import-hf's check (interop.convert.window_perplexity, windows of 21 tokens: 20 rows each) packs alike
+    from kvlm.interop.convert import window_perplexity
+
+    windows = ids[:63].view(3, 21)
+    monkeypatch.setattr(generation, "fastest_packing", lambda w, rows: None)
+    want = window_perplexity(model, windows, batch=2)
+    assert products == []
+    monkeypatch.setattr(generation, "fastest_packing", lambda w, rows: linear.ANY_ROWS)
+    assert window_perplexity(model, windows, batch=2) == pytest.approx(want, rel=1e-5) and products
+    assert all(m._packed is None for m in model.modules() if isinstance(m, linear.Linear))
 
 
 def test_uniform_model_has_perplexity_vocab_size():

@@ -42,6 +42,7 @@ from kvlm.attention.mha import MultiHeadAttention
 from kvlm.config import ModelConfig
 from kvlm.data.tokenizer import Tokenizer
 from kvlm.inference.evaluation import load_eval_tokens
+from kvlm.inference.generation import packed_for_rows
 from kvlm.interop.tokenizer_meta import stop_tokens_from_hf
 from kvlm.logs import get_logger
 from kvlm.model import KVLM, build_model
@@ -406,7 +407,8 @@ def text_tokens(path: str | Path, tokenizer, n_tokens: int, seq_len: int) -> tor
 def window_perplexity(model: KVLM, windows: torch.Tensor, batch: int = 4, progress: bool = False) -> float:
     """exp(mean next-token loss) over ``windows`` (N, T); ``progress``: a bar over the windows."""
     total, count = 0.0, 0
-    with Progress(windows.shape[0], "perplexity", "window", enabled=progress) as bar:
+    rows = min(batch, windows.shape[0]) * (windows.shape[1] - 1)
+    with Progress(windows.shape[0], "perplexity", "window", enabled=progress) as bar, packed_for_rows(model, rows):
         for s in range(0, windows.shape[0], batch):
             x = windows[s : s + batch]
             logits = model(x[:, :-1]).double()
