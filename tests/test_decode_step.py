@@ -401,10 +401,14 @@ def test_fused_group_equals_its_packed_parts_and_goes_stale():
 
 
 @needs_mkl
-def test_lm_head_timing_runs_the_packed_head_where_the_step_does():
+def test_lm_head_timing_runs_the_packed_head_where_the_step_does(monkeypatch):
     """kvlm bench's per-operation LM head time runs the product the decode step runs: packed where bench_decode
     packs (``packs_for``: batch 12 on CPU float32), unpacked at batch 2; the head's own packing is left as it was."""
     from kvlm.bench.opstime import lm_head_ms
+    from kvlm.inference import generation
+
+    # the layout measured fastest, pinned: on this small head the timing is a near-tie that flips between runs
+    monkeypatch.setattr(generation, "fastest_packing", lambda weight, rows: rows)
 
     torch.manual_seed(0)
     model = build_model(_cfg("gqa", n_kv_head=2)).eval()

@@ -176,6 +176,18 @@ PACK_MIN_PREFILL_ROWS = 512  # prompt rows from which packing for the prefill al
 PREFILL_PROBE_ROWS = 64  # rows at which prefill_packs times the layouts (compute-dense like a prefill, quick)
 
 
+def _packable(model) -> bool:
+    """A model whose weights ``KVLM.pack_for_decode`` packs: a kvlm model on CPU in float32."""
+    p = model.embed.weight
+    return hasattr(model, "pack_for_decode") and p.device.type == "cpu" and p.dtype == torch.float32
+
+
+def _packed_already(model) -> bool:
+    """Packed beforehand (for a batch by the caller, or for any rows by a serving engine), or not a kvlm model:
+    left as it is."""
+    return not hasattr(model, "pack_for_decode") or model.lm_head._packed is not None
+
+
 def packs_for(model, batch: int) -> int | str | None:
     """What decode steps of ``batch`` rows (sequences x new tokens) pack the weights for
     (``KVLM.pack_for_decode``), or None where it does not gain: a kvlm model on CPU in float32 from 9 rows where
@@ -183,8 +195,7 @@ def packs_for(model, batch: int) -> int | str | None:
     (below 4 rows F.linear streams the weights as fast, benchmarks/decode_limit.py "GEMMs alone"); there the
     fastest of the unpacked product (the kernel up to 16 rows, torch's beyond), MKL's layout for ``batch`` rows
     and oneDNN's for any (``fastest_packing``, on the LM head: once per process and row count)."""
-    p = model.embed.weight
-    if not hasattr(model, "pack_for_decode") or p.device.type != "cpu" or p.dtype != torch.float32:
+    if not _packable(model):
         return None
     lowest = FEW_ROWS + 1 if few_rows_available() else 4
     return fastest_packing(model.lm_head.weight, batch) if batch >= lowest else None
@@ -196,10 +207,7 @@ def prefill_packs(model, rows: int) -> bool:
     measured fastest at ``PREFILL_PROBE_ROWS`` rows (``fastest_packing``, on the LM head, once per process). On
     AMD CPUs torch's own product runs MKL off its AVX-512 paths; on this project's AMD EPYC the reference shape's
     1024-token prefill took 300-330 ms packed against 500-590 unpacked, and packing took 45-85 ms."""
-    p = model.embed.weight
-    if rows < PACK_MIN_PREFILL_ROWS or not hasattr(model, "pack_for_decode"):
-        return False
-    if p.device.type != "cpu" or p.dtype != torch.float32:
+    if rows < PACK_MIN_PREFILL_ROWS or not _packable(model):
         return False
     return fastest_packing(model.lm_head.weight, PREFILL_PROBE_ROWS) == ANY_ROWS
 
@@ -209,9 +217,7 @@ def packed_for_rows(model, rows: int):
     """Within it, the weights packed in oneDNN's layout for forwards of ``rows`` rows where that measured faster
     (``prefill_packs``; evaluation's full-sequence forwards) and the caller has not packed them; dropped after.
     Yields whether it packed them."""
-    lm_head = getattr(model, "lm_head", None)
-    packed = getattr(lm_head, "_packed", True) is None and prefill_packs(model, rows)
-    packed = packed and model.pack_for_decode(ANY_ROWS) > 0
+    packed = not _packed_already(model) and prefill_packs(model, rows) and model.pack_for_decode(ANY_ROWS) > 0
     try:
         yield packed
     finally:
@@ -227,7 +233,7 @@ def _pack(model, batch: int, prompt_rows: int, max_new_tokens: int, pack_weights
     (packed, decode): whether this call packed them (it drops them at its end), and the layout to repack for
     after the prefill (``KVLM.pack_for_decode``), or ``_KEEP``. Weights packed beforehand are left as they are
     (for this batch, or for any rows by a serving engine)."""
-    if not hasattr(model, "pack_for_decode") or model.lm_head._packed is not None:
+    if _packed_already(model):
         return False, _KEEP
     if pack_weights is None:
         decode = packs_for(model, batch) if max_new_tokens >= PACK_MIN_STEPS else None
