@@ -136,8 +136,9 @@ def main() -> None:
             m.decode_attention(*layers[-1][0])  # warm
         with torch.inference_mode():
             calls = 0
-            for _ in range(a.repeats):
-                for k, m in mods.items():
+            for rnd in range(a.repeats):
+                order = list(mods.items())
+                for k, m in order[::-1] if rnd % 2 else order:  # each second first in turn: no order bias
                     args = layers[calls % a.layers][0]  # each call a layer the last ones did not read
                     calls += 1
                     t0 = time.perf_counter()
