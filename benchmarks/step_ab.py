@@ -88,8 +88,9 @@ def ab(arms: dict, rounds: int) -> tuple[float, float, float]:
     times: dict = {k: [] for k in arms}
     for f in arms.values():
         f()
-    for _ in range(rounds):
-        for k, f in arms.items():
+    for rnd in range(rounds):
+        order = list(arms.items())
+        for k, f in order[::-1] if rnd % 2 else order:  # each arm first in turn: no order bias
             t0 = time.perf_counter()
             f()
             times[k].append(time.perf_counter() - t0)
