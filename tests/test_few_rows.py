@@ -266,3 +266,64 @@ def test_the_compiled_step_runs_the_same_products_through_it(batch):
             compiled = step(tok)
             assert n_eager > 0 and LINEAR_CALLS["few_rows"] - before == n_eager
             torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+
+
+def _heads_reference(x, w):
+    return torch.einsum("bhtp,hpc->bhtc", x.double(), w.double())
+
+
+@pytest.mark.parametrize("B,T", [(1, 1), (3, 1), (1, 4), (2, 3), (16, 1)])
+@pytest.mark.parametrize("a,b", [(64, 256), (256, 64), (37, 48), (1, 16)])
+def test_the_per_head_products_match_float64(B, T, a, b):
+    """MLA's absorption products x_h W_h (``few_rows_head_matmul``): every row block (4, 2, 1 rows), column
+    counts of one to several 64-column items, inner widths off the vector width, x read in place as a strided
+    view (as the query arrives) or copied."""
+    torch.manual_seed(B * 100 + T * 10 + a + b)
+    h = 3
+    w = torch.randn(h, a, b)
+    for x in (torch.randn(B, h, T, a), torch.randn(B, T, h, a).transpose(1, 2)):
+        with torch.no_grad():
+            got = few_rows.few_rows_head_matmul(x, w)
+        assert got is not None and got.shape == (B, h, T, b)
+        torch.testing.assert_close(got.double(), _heads_reference(x, w), rtol=1e-5, atol=1e-5 * a**0.5)
+
+
+def test_the_per_head_products_decline_what_they_do_not_take(monkeypatch):
+    x, w = torch.randn(2, 3, 1, 32), torch.randn(3, 32, 64)
+    with torch.no_grad():
+        assert few_rows.few_rows_head_matmul(x, w) is not None
+        assert few_rows.few_rows_head_matmul(torch.randn(17, 3, 1, 32), w) is None  # more than MAX_ROWS rows
+        assert few_rows.few_rows_head_matmul(x, torch.randn(3, 32, 40)) is None  # columns not whole vectors
+        assert few_rows.few_rows_head_matmul(x.double(), w.double()) is None  # the reference dtype
+        assert few_rows.few_rows_head_matmul(x, torch.randn(3, 64, 32).transpose(1, 2)) is None  # not contiguous
+        assert few_rows.few_rows_head_matmul(x, torch.randn(2, 32, 64)) is None  # another head count
+    w.requires_grad_(True)
+    assert few_rows.few_rows_head_matmul(x, w) is None  # autograd records: no backward here
+    monkeypatch.setenv("KVLM_KERNELS", "0")
+    with torch.no_grad():
+        assert few_rows.few_rows_head_matmul(x, w.detach()) is None
+
+
+@pytest.mark.parametrize("B,n_new", [(3, 1), (1, 3)])
+def test_absorbed_mla_runs_its_head_products_through_it(B, n_new, monkeypatch):
+    """An absorbed MLA decode step makes its two per-head products a layer through the kernel, with the logits
+    and the FLOP count of torch.bmm's products (the kernel declined)."""
+    from kvlm.attention import latent_ops
+
+    model = build_model(tiny_config("mla", kv_lora_rank=32, rope_head_dim=8)).eval().prepare_for_inference()
+    prompt, tok = torch.randint(0, 97, (B, 5)), torch.randint(0, 97, (B, n_new))
+    results = []
+    for on in (True, False):
+        if not on:
+            monkeypatch.setattr(latent_ops, "few_rows_head_matmul", lambda x, w: None)
+        cache = model.new_cache(B, 32)
+        with torch.inference_mode():
+            model(prompt, cache=cache)
+            before = LINEAR_CALLS["head_products"]
+            with CountFlops() as c:
+                logits = model(tok, cache=cache, mode="absorbed")
+        results.append((logits, LINEAR_CALLS["head_products"] - before, c.total))
+    (got, calls, flops), (want, off_calls, off_flops) = results
+    assert calls == 2 * model.cfg.n_layer and off_calls == 0
+    assert flops == off_flops
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kvlm.attention.base import Step, attend
+from kvlm.kernels.few_rows import few_rows_head_matmul
 
 
 def latent_attention(
@@ -70,7 +71,11 @@ def latent_attention(
 
 def head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x (B, h, T, a) times w (h, a, b) head by head -> (B, h, T, b): one batched GEMM over the heads, as
-    einsum("bhtp,hpc->bhtc") computes it, without einsum's parsing (~3 % of an absorbed MLA decode step)."""
+    einsum("bhtp,hpc->bhtc") computes it, without einsum's parsing (~3 % of an absorbed MLA decode step); at
+    decode's few rows on CPU by the few-row kernel's per-head product (``few_rows_head_matmul``) where it applies."""
+    y = few_rows_head_matmul(x, w)
+    if y is not None:
+        return y
     B, h, T, a = x.shape
     return torch.bmm(x.transpose(0, 1).reshape(h, B * T, a), w).view(h, B, T, -1).transpose(0, 1)
 

@@ -106,6 +106,10 @@ def few_rows_linear(*args, **kwargs):
     return None
 
 
+def few_rows_head_matmul(*args, **kwargs):
+    return None
+
+
 def packed_linear(x, weights, biases):
     import torch
     import torch.nn.functional as F

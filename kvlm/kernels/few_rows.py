@@ -90,3 +90,30 @@ def few_rows_linear(
     LINEAR_CALLS["few_rows"] += 1
     y = ext.few_rows_linear(x.reshape(rows, k).contiguous(), weights, biases)
     return y.view(*x.shape[:-1], n)
+
+
+def few_rows_head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """x (B, h, T, a) times w (h, a, b) head by head -> (B, h, T, b), as ``latent_ops.head_matmul`` computes it
+    with torch.bmm, by the kernel's per-head product (``head_products`` in csrc/few_rows.h: each head's matrix read
+    once for the B T rows), or None where it does not apply: more than ``MAX_ROWS`` rows, b not a multiple of 16,
+    tensors not plain float32 CPU ones, autograd recording, under torch.compile, kernels disabled or no AVX-512.
+    MLA's absorbed decode makes two such products a layer (q^C W~^UK, z W~^UV): a decode step 1.02-1.035x
+    faster than through torch.bmm at the bench reference shape (benchmarks/decode-limit.md)."""
+    if type(x) not in _PLAIN or x.dtype is not torch.float32 or not x.is_cpu or x.dim() != 4 or not _plain(w):
+        return None
+    B, h, T, a = x.shape
+    rows = B * T
+    if not 0 < rows <= MAX_ROWS or w.dim() != 3 or w.shape[0] != h or w.shape[1] != a or w.shape[2] % 16:
+        return None
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad)):
+        return None
+    ext = extension()
+    if ext is None or not hasattr(ext, "head_products"):
+        return None
+    count_flops("linear", 2 * rows * h * a * w.shape[2])
+    LINEAR_CALLS["head_products"] += 1
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    # (h, B T, a): a view when T == 1 or B == 1 (decode), else a copy; the result (B T, h, b) viewed as (B, h, T, b)
+    y = ext.head_products(x.transpose(0, 1).reshape(h, rows, a), w)
+    return y.view(B, T, h, -1).transpose(1, 2)

@@ -126,6 +126,49 @@ inline at::Tensor linear(const at::Tensor& x, const std::vector<at::Tensor>& wei
   return y;
 }
 
+// Per-head products y_h = x_h W_h at a few rows (MLA's absorption: q^C W~^UK and z W~^UV, one small matrix a
+// head): x (H, M, K) strided (unit stride along K, so (B, h, 1, a) is read in place), W (H, K, N) contiguous as the
+// model keeps it (N a multiple of 16); y (M, H, N). Outer-product form, the attention kernel's value micro-kernel
+// (avx512::values_chunk: rows of x broadcast against rows of W, 4 x 4 output vectors in registers), so each W_h
+// is read once for all M rows and no transposed copy is kept. Work items are (head, 64 output columns).
+inline at::Tensor head_products(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.dim() == 3 && w.dim() == 3 && x.size(0) == w.size(0) && x.size(2) == w.size(1),
+              "head_products: x (H, M, K) and w (H, K, N)");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat && x.stride(2) == 1 &&
+                  w.is_contiguous() && x.device().is_cpu() && w.device().is_cpu(),
+              "head_products: float32 CPU tensors, x with unit stride along K, w contiguous");
+  const int64_t H = x.size(0), M = x.size(1), K = x.size(2), N = w.size(2);
+  TORCH_CHECK(N % 16 == 0 && x.stride(1) < (int64_t(1) << 30) && K < (int64_t(1) << 30),
+              "head_products: N a multiple of 16");
+  auto y = at::zeros({M, H, N}, x.options());  // the micro-kernel adds into its output
+  if (M == 0 || N == 0 || H == 0) return y;
+  const int64_t nv = N / 16, chunks = (nv + 3) / 4, sh = x.stride(0);
+  const int xs = static_cast<int>(x.stride(1));
+  const float* xp = x.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, H * chunks, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<const char*> rows(std::max<int64_t>(K, 1));
+    const char* const* pl = nullptr;  // no prefetch list
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t h = i / chunks, z0 = (i % chunks) * 4;
+      for (int64_t k = 0; k < K; ++k) rows[k] = reinterpret_cast<const char*>(wp + (h * K + k) * N);
+      int64_t r = 0;
+      auto run = [&](auto tag) {
+        constexpr int RB = decltype(tag)::value;
+        avx512::values_chunk<DType::f32, RB>(xp + h * sh + r * xs, xs, rows.data(), static_cast<int>(K), nv,
+                                             static_cast<__mmask16>(0xFFFF), z0, yp + (r * H + h) * N, H * N,
+                                             nullptr, pl, 0);
+        r += RB;
+      };
+      while (M - r >= 4) run(std::integral_constant<int, 4>());
+      if (M - r >= 2) run(std::integral_constant<int, 2>());
+      if (M - r >= 1) run(std::integral_constant<int, 1>());
+    }
+  });
+  return y;
+}
+
 }  // namespace few_rows
 }  // namespace kvlm_decode
 #endif
