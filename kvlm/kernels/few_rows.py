@@ -1,5 +1,6 @@
 """Decode's weight products at a few rows on CPU: ``few_rows_linear`` runs [x W_1^T + b_1, ...] through the
-few-row kernel (csrc/few_rows.h, AVX-512), which reads each plain float32 weight once for all rows of x.
+few-row kernel (csrc/few_rows.h, AVX-512), which reads each plain float32 weight once for all rows of x;
+``few_rows_head_matmul`` runs absorbed MLA's per-head products x_h W_h the same way.
 
 Decode multiplies batch x new-token rows by every weight, so its time is the time to read them. Streaming the
 reference shape's 268 MB of weights, 2 threads (``benchmarks/few_rows_gemm.py``; ms, lower is better):
