@@ -98,8 +98,8 @@ def few_rows_head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | Non
     with torch.bmm, by the kernel's per-head product (``head_products`` in csrc/few_rows.h: each head's matrix read
     once for the B T rows), or None where it does not apply: more than ``MAX_ROWS`` rows, b not a multiple of 16,
     tensors not plain float32 CPU ones, autograd recording, under torch.compile, kernels disabled or no AVX-512.
-    MLA's absorbed decode makes two such products a layer (q^C W~^UK, z W~^UV): a decode step 1.02-1.035x
-    faster than through torch.bmm at the bench reference shape (benchmarks/decode-limit.md)."""
+    MLA's absorbed decode makes two such products a layer (q^C W~^UK, z W~^UV): at the bench reference shape a
+    decode step 1.02-1.03x faster than through torch.bmm at batch 8, even at batch 1 (benchmarks/decode-limit.md)."""
     if type(x) not in _PLAIN or x.dtype is not torch.float32 or not x.is_cpu or x.dim() != 4 or not _plain(w):
         return None
     B, h, T, a = x.shape
