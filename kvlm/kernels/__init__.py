@@ -39,6 +39,7 @@ from kvlm.kernels.shared import (  # noqa: F401 (re-exported)
     LINEAR_CALLS,
     MIN_SPLIT_KEYS,
     NORM_CALLS,
+    PLAIN_TENSORS,
     count_flops,
     split_count,
     visible_keys,
@@ -93,14 +94,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     CPU, the largest share of a decode step's small-operator time), or None where it does not apply: another
     dtype or device, a tensor subclass (a tensor-parallel DTensor), autograd recording, kernels unavailable, or
     under torch.compile."""
-    if x.dtype != torch.float32 or x.device.type != "cpu" or type(x) is not torch.Tensor:
+    # cheap checks first (19 calls a decode step): is_cpu and the class, not .device / .data, which build objects
+    if type(x) is not torch.Tensor or x.dtype is not torch.float32 or not x.is_cpu:
         return None
-    if type(weight.data) is not torch.Tensor or weight.dtype != torch.float32 or weight.device.type != "cpu":
-        return None
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return None
+    if type(weight) not in PLAIN_TENSORS or weight.dtype is not torch.float32 or not weight.is_cpu:
+        return None  # a DTensor parameter is a DTensor: not taken
     if torch.compiler.is_compiling():
         return None  # F.rms_norm, which the compiler fuses
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return None
     ext = cpu.extension()
     if ext is None:
         return None

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from kvlm.kernels.cpu import extension
-from kvlm.kernels.shared import LINEAR_CALLS, count_flops
+from kvlm.kernels.shared import LINEAR_CALLS, PLAIN_TENSORS, count_flops
 
 FEW_ROWS = 8  # rows up to which the kernel takes the product first (faster than every library path measured)
 MAX_ROWS = 16  # rows up to which it takes the products that no packed copy serves
@@ -42,7 +42,7 @@ def few_rows_fit(x: torch.Tensor, first: bool = True) -> bool:
     return x.is_cpu and x.dtype is torch.float32 and k > 0 and 0 < x.numel() <= most * k
 
 
-_PLAIN = (torch.Tensor, torch.nn.Parameter)  # not a tensor subclass (a tensor-parallel DTensor, as a Parameter too)
+_PLAIN = PLAIN_TENSORS
 
 
 def _plain(t: torch.Tensor) -> bool:
@@ -69,28 +69,40 @@ def few_rows_linear(
     under torch.compile (the operator ``kvlm::packed_linear`` calls this when it runs), kernels disabled or no
     AVX-512. ``count``: add its FLOPs to the kernels' running total (torch's FLOP counter does not see the
     extension)."""
-    if type(x) not in _PLAIN or not few_rows_fit(x, first) or torch.compiler.is_compiling():
+    # the checks inline, each weight's in one loop: a decode step makes ~30 of these calls, and its Python is the
+    # cost (few_rows_fit and _plain spelled out: ~6 us a call before, ~2 us of it the kernel's own)
+    if type(x) not in _PLAIN or x.dtype is not torch.float32 or not x.is_cpu or torch.compiler.is_compiling():
         return None
-    # every weight and bias checked in one loop (a decode step makes ~30 of these calls: its Python is the cost)
+    k, numel = x.shape[-1], x.numel()
+    if k <= 0 or not 0 < numel <= (FEW_ROWS if first else MAX_ROWS) * k:
+        return None
     grad_on = torch.is_grad_enabled()
     grad = grad_on and x.requires_grad
-    k, n = x.shape[-1], 0
+    n = 0
     for w in weights:
-        if not _plain(w) or w.dim() != 2 or w.shape[1] != k:
+        if (
+            type(w) not in _PLAIN
+            or w.dtype is not torch.float32
+            or not w.is_cpu
+            or w.dim() != 2
+            or w.shape[1] != k
+            or not w.is_contiguous()
+        ):
             return None  # a caller's shape error: F.linear names it
         grad = grad or (grad_on and w.requires_grad)
         n += w.shape[0]
-    if grad or not all(b is None or _plain(b) for b in biases):
+    if grad:
         return None
+    for b in biases:
+        if b is not None and not _plain(b):
+            return None
     ext = extension()
     if ext is None or not hasattr(ext, "few_rows_linear"):
         return None
-    rows = x.numel() // k
     if count:
-        count_flops("linear", 2 * rows * k * n)
+        count_flops("linear", 2 * (numel // k) * k * n)
     LINEAR_CALLS["few_rows"] += 1
-    y = ext.few_rows_linear(x.reshape(rows, k).contiguous(), weights, biases)
-    return y.view(*x.shape[:-1], n)
+    return ext.few_rows_linear(x if x.is_contiguous() else x.contiguous(), weights, biases)
 
 
 def few_rows_head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:

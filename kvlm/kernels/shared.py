@@ -11,6 +11,8 @@ import torch
 MIN_SPLIT_KEYS = (
     512  # keys per split of the sequence axis at least: fewer cost more in merging than they save
 )
+# torch's own tensor classes: a tensor subclass (a tensor-parallel DTensor, as a Parameter too) is not taken
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 CALLS: Counter[str] = Counter()
 NORM_CALLS: Counter[str] = Counter()  # rms_norm's calls, apart: CALLS counts attention over the cache
 LINEAR_CALLS: Counter[str] = Counter()  # the few-row weight products' calls (kvlm.kernels.few_rows)

@@ -85,14 +85,16 @@ inline void rows_block(const float* x, int64_t M, const float* w, int64_t K, int
   if (M - r >= 1) run(std::integral_constant<int, 1>());
 }
 
-// x (M, K) against weights W_i (N_i, K) with biases b_i (N_i,) or none: (M, sum N_i), [x W_1^T + b_1, ...].
+// x (..., K) against weights W_i (N_i, K) with biases b_i (N_i,) or none: (..., sum N_i), [x W_1^T + b_1, ...]
+// (the leading axes kept here, not by two more Python calls on every product).
 inline at::Tensor linear(const at::Tensor& x, const std::vector<at::Tensor>& weights,
                          const std::vector<c10::optional<at::Tensor>>& biases) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
-              "few_rows_linear: x must be a contiguous float32 CPU matrix");
+  TORCH_CHECK(x.dim() >= 1 && x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(),
+              "few_rows_linear: x must be a contiguous float32 CPU tensor");
   TORCH_CHECK(!weights.empty() && biases.size() == weights.size(), "few_rows_linear: one bias (or None) per weight");
-  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t K = x.size(-1);
   TORCH_CHECK(K > 0, "few_rows_linear: x has no columns");
+  const int64_t M = x.numel() / K;
   std::vector<int64_t> offset{0};  // output column of each weight's first row
   for (size_t i = 0; i < weights.size(); ++i) {
     const auto& w = weights[i];
@@ -106,7 +108,9 @@ inline at::Tensor linear(const at::Tensor& x, const std::vector<at::Tensor>& wei
     offset.push_back(offset.back() + w.size(0));
   }
   const int64_t N = offset.back();
-  auto y = at::empty({M, N}, x.options());
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  auto y = at::empty(shape, x.options());
   // the blocks of 16 weight rows of every weight, in order: (weight, first row)
   std::vector<std::pair<int, int64_t>> blocks;
   for (size_t i = 0; i < weights.size(); ++i)
