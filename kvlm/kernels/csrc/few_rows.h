@@ -6,10 +6,10 @@
 // the weights far below bandwidth (AMD EPYC, MKL: 10-17 GB/s where this reaches 35-56; benchmarks/
 // few_rows_gemm.py). Here each weight row is read from memory once, in the layout it has, for all rows of x:
 // dot-product form, RB rows of x x NB = 16 / RB weight rows as 16 AVX-512 accumulators over K, then one tree of
-// shuffles (avx512::tree16) turns them into the 16 sums (at one row of x each weight row is read whole, one
-// after another: one sequential stream a thread, as the MHA score pass reads its keys; measured on the AMD EPYC,
-// 268 MB of weights at 1 row: 1.02-1.07x faster than 16 rows side by side when the probe read ~50 GB/s and
-// 1.085-1.10x when it read ~80, at the probe's rate both times). The blocks of 16 weight rows of all the weights of a
+// shuffles (avx512::tree16) turns them into the 16 sums (at one or two rows of x each weight row is read whole,
+// one after another: one sequential stream a thread, as the MHA score pass reads its keys; measured on the AMD
+// EPYC, 268 MB of weights: at 1 row 1.02-1.07x faster than 16 rows side by side when the probe read ~50 GB/s and
+// 1.085-1.10x when it read ~80, at the probe's rate both times; at 2 rows 1.01-1.07x, at 3 rows 1.00-1.05x). The blocks of 16 weight rows of all the weights of a
 // call (q/k/v, gate/up: one input) are split over the threads in one parallel loop, each thread streaming a
 // contiguous run of them. From 4 rows on (compute-dense enough that the core's own window of misses no longer
 // covers memory's latency) each weight row is prefetched twice: 32 KiB ahead into L2 and 2 KiB ahead into L1.
@@ -43,23 +43,34 @@ inline void block(const float* x, const float* w, int64_t K, int nb, float* y, i
   const float* wr[NB];
   for (int j = 0; j < NB; ++j) wr[j] = w + std::min(j, nb - 1) * K;
   const int64_t K16 = K & ~int64_t(15);
-  if constexpr (RB == 1) {  // one row of x: each weight row read whole, in memory order (one stream a thread)
+  if constexpr (RB <= 2) {  // one or two rows of x: each weight row read whole, in memory order (one stream a thread)
     const __mmask16 m = static_cast<__mmask16>((1u << (K - K16)) - 1);
     for (int j = 0; j < NB; ++j) {
       const float* wj = wr[j];
-      __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+      __m512 s0[RB], s1[RB];
+      for (int r = 0; r < RB; ++r) s0[r] = s1[r] = _mm512_setzero_ps();
       int64_t k = 0;
       for (; k + 32 <= K16; k += 32) {
-        s0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), _mm512_loadu_ps(wj + k), s0);
-        s1 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k + 16), _mm512_loadu_ps(wj + k + 16), s1);
+        const __m512 w0 = _mm512_loadu_ps(wj + k), w1 = _mm512_loadu_ps(wj + k + 16);
+        for (int r = 0; r < RB; ++r) {
+          s0[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + k), w0, s0[r]);
+          s1[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + k + 16), w1, s1[r]);
+        }
       }
-      if (k < K16) s0 = _mm512_fmadd_ps(_mm512_loadu_ps(x + k), _mm512_loadu_ps(wj + k), s0);
-      if (K16 < K) s1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x + K16), _mm512_maskz_loadu_ps(m, wj + K16), s1);
-      a[j] = _mm512_add_ps(s0, s1);
+      if (k < K16) {
+        const __m512 w0 = _mm512_loadu_ps(wj + k);
+        for (int r = 0; r < RB; ++r) s0[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * K + k), w0, s0[r]);
+      }
+      if (K16 < K) {
+        const __m512 w1 = _mm512_maskz_loadu_ps(m, wj + K16);
+        for (int r = 0; r < RB; ++r) s1[r] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x + r * K + K16), w1, s1[r]);
+      }
+      for (int r = 0; r < RB; ++r) a[r * NB + j] = _mm512_add_ps(s0[r], s1[r]);
     }
     alignas(64) float s[16];
     _mm512_store_ps(s, avx512::tree16(a));
-    for (int j = 0; j < nb; ++j) y[j] = s[j] + (bias ? bias[j] : 0.0f);
+    for (int r = 0; r < RB; ++r)
+      for (int j = 0; j < nb; ++j) y[r * ys + j] = s[r * NB + j] + (bias ? bias[j] : 0.0f);
     return;
   }
   for (int64_t k = 0; k < K16; k += 16) {
