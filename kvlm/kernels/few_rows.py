@@ -42,12 +42,9 @@ def few_rows_fit(x: torch.Tensor, first: bool = True) -> bool:
     return x.is_cpu and x.dtype is torch.float32 and k > 0 and 0 < x.numel() <= most * k
 
 
-_PLAIN = PLAIN_TENSORS
-
-
 def _plain(t: torch.Tensor) -> bool:
     """A contiguous float32 CPU tensor of torch's own classes."""
-    return type(t) in _PLAIN and t.dtype is torch.float32 and t.is_cpu and t.is_contiguous()
+    return type(t) in PLAIN_TENSORS and t.dtype is torch.float32 and t.is_cpu and t.is_contiguous()
 
 
 def few_rows_available() -> bool:
@@ -69,25 +66,15 @@ def few_rows_linear(
     under torch.compile (the operator ``kvlm::packed_linear`` calls this when it runs), kernels disabled or no
     AVX-512. ``count``: add its FLOPs to the kernels' running total (torch's FLOP counter does not see the
     extension)."""
-    # the checks inline, each weight's in one loop: a decode step makes ~30 of these calls, and its Python is the
-    # cost (few_rows_fit and _plain spelled out: ~6 us a call before, ~2 us of it the kernel's own)
-    if type(x) not in _PLAIN or x.dtype is not torch.float32 or not x.is_cpu or torch.compiler.is_compiling():
-        return None
-    k, numel = x.shape[-1], x.numel()
-    if k <= 0 or not 0 < numel <= (FEW_ROWS if first else MAX_ROWS) * k:
+    # every weight and bias checked in one loop each, no generator, and the leading axes kept in C++: a decode
+    # step makes ~30 of these calls, and their Python is part of its cost (~4.5 us a call, 1.8 of it the kernel)
+    if type(x) not in PLAIN_TENSORS or not few_rows_fit(x, first) or torch.compiler.is_compiling():
         return None
     grad_on = torch.is_grad_enabled()
     grad = grad_on and x.requires_grad
-    n = 0
+    k, n = x.shape[-1], 0
     for w in weights:
-        if (
-            type(w) not in _PLAIN
-            or w.dtype is not torch.float32
-            or not w.is_cpu
-            or w.dim() != 2
-            or w.shape[1] != k
-            or not w.is_contiguous()
-        ):
+        if not _plain(w) or w.dim() != 2 or w.shape[1] != k:
             return None  # a caller's shape error: F.linear names it
         grad = grad or (grad_on and w.requires_grad)
         n += w.shape[0]
@@ -100,7 +87,7 @@ def few_rows_linear(
     if ext is None or not hasattr(ext, "few_rows_linear"):
         return None
     if count:
-        count_flops("linear", 2 * (numel // k) * k * n)
+        count_flops("linear", 2 * x.numel() * n)
     LINEAR_CALLS["few_rows"] += 1
     return ext.few_rows_linear(x if x.is_contiguous() else x.contiguous(), weights, biases)
 
@@ -112,7 +99,7 @@ def few_rows_head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | Non
     tensors not plain float32 CPU ones, autograd recording, under torch.compile, kernels disabled or no AVX-512.
     MLA's absorbed decode makes two such products a layer (q^C W~^UK, z W~^UV): at the bench reference shape a
     decode step 1.02-1.03x faster than through torch.bmm at batch 8, even at batch 1 (benchmarks/decode-limit.md)."""
-    if type(x) not in _PLAIN or x.dtype is not torch.float32 or not x.is_cpu or x.dim() != 4 or not _plain(w):
+    if type(x) not in PLAIN_TENSORS or x.dtype is not torch.float32 or not x.is_cpu or x.dim() != 4 or not _plain(w):
         return None
     B, h, T, a = x.shape
     rows = B * T

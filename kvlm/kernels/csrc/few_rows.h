@@ -9,15 +9,15 @@
 // shuffles (avx512::tree16) turns them into the 16 sums (at one or two rows of x each weight row is read whole,
 // one after another: one sequential stream a thread, as the MHA score pass reads its keys; measured on the AMD
 // EPYC, 268 MB of weights: at 1 row 1.02-1.07x faster than 16 rows side by side when the probe read ~50 GB/s and
-// 1.085-1.10x when it read ~80, at the probe's rate both times; at 2 rows 1.01-1.07x, at 3 rows 1.00-1.05x). The blocks of 16 weight rows of all the weights of a
-// call (q/k/v, gate/up: one input) are split over the threads in one parallel loop, each thread streaming a
-// contiguous run of them. From 4 rows on (compute-dense enough that the core's own window of misses no longer
-// covers memory's latency) each weight row is prefetched twice: 32 KiB ahead into L2 and 2 KiB ahead into L1.
-// A prefetch into L1 holds one of the core's few L1 miss buffers until the line arrives from memory, which caps
-// a core's stream; into L2 it does not, and the near one then only moves lines from L2. Measured on the AMD EPYC
-// at 8 rows (benchmarks/few_rows_gemm.py, interleaved): 1.35-1.48x faster than 16 KiB ahead into L1 alone while
-// the machine streamed 55-60 GB/s, 1.05x while others held it at ~37 (a prefetch into L1 alone was itself
-// 1.3-1.6x faster than none); at 1-2 rows the hardware prefetchers alone are fastest.
+// 1.085-1.10x when it read ~80, at the probe's rate both times; at 2 rows 1.01-1.07x, at 3 rows 1.00-1.05x).
+// The blocks of 16 weight rows of all the weights of a call (q/k/v, gate/up: one input) are split over the threads
+// in one parallel loop, each thread streaming a contiguous run of them. From 4 rows on (compute-dense enough that
+// the core's own window of misses no longer covers memory's latency) each weight row is prefetched twice: 32 KiB
+// ahead into L2 and 2 KiB ahead into L1. A prefetch into L1 holds one of the core's few L1 miss buffers until the
+// line arrives from memory, which caps a core's stream; into L2 it does not, and the near one then only moves lines
+// from L2. Measured on the AMD EPYC at 8 rows (benchmarks/few_rows_gemm.py, interleaved): 1.35-1.48x faster than 16
+// KiB ahead into L1 alone while the machine streamed 55-60 GB/s, 1.05x while others held it at ~37 (a prefetch into
+// L1 alone was itself 1.3-1.6x faster than none); at 1-2 rows the hardware prefetchers alone are fastest.
 #pragma once
 
 #if KVLM_AVX512
@@ -37,14 +37,13 @@ constexpr int64_t kFarBytes = 32768, kNearBytes = 2048;  // into L2, into L1: fr
 template <int RB>
 inline void block(const float* x, const float* w, int64_t K, int nb, float* y, int64_t ys, const float* bias) {
   constexpr int NB = 16 / RB;
-  constexpr bool pf = RB >= 4;
   __m512 a[16];
   for (int i = 0; i < 16; ++i) a[i] = _mm512_setzero_ps();
   const float* wr[NB];
   for (int j = 0; j < NB; ++j) wr[j] = w + std::min(j, nb - 1) * K;
   const int64_t K16 = K & ~int64_t(15);
+  const __mmask16 m = static_cast<__mmask16>((1u << (K - K16)) - 1);  // the tail of K
   if constexpr (RB <= 2) {  // one or two rows of x: each weight row read whole, in memory order (one stream a thread)
-    const __mmask16 m = static_cast<__mmask16>((1u << (K - K16)) - 1);
     for (int j = 0; j < NB; ++j) {
       const float* wj = wr[j];
       __m512 s0[RB], s1[RB];
@@ -67,32 +66,26 @@ inline void block(const float* x, const float* w, int64_t K, int nb, float* y, i
       }
       for (int r = 0; r < RB; ++r) a[r * NB + j] = _mm512_add_ps(s0[r], s1[r]);
     }
-    alignas(64) float s[16];
-    _mm512_store_ps(s, avx512::tree16(a));
-    for (int r = 0; r < RB; ++r)
-      for (int j = 0; j < nb; ++j) y[r * ys + j] = s[r * NB + j] + (bias ? bias[j] : 0.0f);
-    return;
-  }
-  for (int64_t k = 0; k < K16; k += 16) {
-    __m512 wv[NB];
-    for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_ps(wr[j] + k);
-    if (pf)
+  } else {  // 4 or 8 rows: the NB weight rows side by side, each weight vector used by all RB rows
+    for (int64_t k = 0; k < K16; k += 16) {
+      __m512 wv[NB];
+      for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_ps(wr[j] + k);
       for (int j = 0; j < NB; ++j) {
         _mm_prefetch(reinterpret_cast<const char*>(wr[j] + k) + kFarBytes, _MM_HINT_T1);
         _mm_prefetch(reinterpret_cast<const char*>(wr[j] + k) + kNearBytes, _MM_HINT_T0);
       }
-    for (int r = 0; r < RB; ++r) {
-      const __m512 xv = _mm512_loadu_ps(x + r * K + k);
-      for (int j = 0; j < NB; ++j) a[r * NB + j] = _mm512_fmadd_ps(xv, wv[j], a[r * NB + j]);
+      for (int r = 0; r < RB; ++r) {
+        const __m512 xv = _mm512_loadu_ps(x + r * K + k);
+        for (int j = 0; j < NB; ++j) a[r * NB + j] = _mm512_fmadd_ps(xv, wv[j], a[r * NB + j]);
+      }
     }
-  }
-  if (K16 < K) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (K - K16)) - 1);
-    __m512 wv[NB];
-    for (int j = 0; j < NB; ++j) wv[j] = _mm512_maskz_loadu_ps(m, wr[j] + K16);
-    for (int r = 0; r < RB; ++r) {
-      const __m512 xv = _mm512_maskz_loadu_ps(m, x + r * K + K16);
-      for (int j = 0; j < NB; ++j) a[r * NB + j] = _mm512_fmadd_ps(xv, wv[j], a[r * NB + j]);
+    if (K16 < K) {
+      __m512 wv[NB];
+      for (int j = 0; j < NB; ++j) wv[j] = _mm512_maskz_loadu_ps(m, wr[j] + K16);
+      for (int r = 0; r < RB; ++r) {
+        const __m512 xv = _mm512_maskz_loadu_ps(m, x + r * K + K16);
+        for (int j = 0; j < NB; ++j) a[r * NB + j] = _mm512_fmadd_ps(xv, wv[j], a[r * NB + j]);
+      }
     }
   }
   alignas(64) float s[16];
