@@ -25,7 +25,10 @@ log = get_logger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "decode.cpp"
 ENV = "KVLM_KERNELS"
-CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fno-math-errno"]
+# -falign-loops=64: every loop starts a cache line, so that a kernel's speed does not move with the size of code
+# before it that it does not run (measured: MHA's kernel 0.92-0.98x after changes to MLA's paths only, 1.00x with
+# both builds aligned)
+CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fno-math-errno", "-falign-loops=64"]
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "module" once built, "error" once failed

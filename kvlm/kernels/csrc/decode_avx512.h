@@ -62,11 +62,20 @@ inline __m512 tree16(const __m512 (&a)[16]) {
   return _mm512_add_ps(_mm512_permutex2var_ps(z[0], lo4, z[1]), _mm512_permutex2var_ps(z[0], hi4, z[1]));
 }
 
+// v as it is, which the compiler must then hold in a register: a vector loaded once and used by several FMAs is
+// otherwise folded into each of them as a memory operand (GCC 12 did so in score16: RB loads of each key vector
+// instead of one, 17 loads to 16 FMAs, so the score pass was bound by the load ports)
+inline __m512 in_register(__m512 v) {
+  asm("" : "+v"(v));
+  return v;
+}
+
 // Lane x KB + y = q_x . k_y (+ qr_x . kr_y), for RB rows of q and qr interleaved by vectors (the 16 features
 // from d of row x at q + RB d + 16 x: one pointer for all rows, which leaves general registers for the loop;
 // zero-padded to whole vectors; interleave_rows) and KB key rows k[y] (Dk elements of DT, scaled by ks[y] when
-// ks is given) with RoPE rows kr[y] (Dr floats). pk: the next tile's KB key rows (and pkr their RoPE rows) to prefetch, or null; pl: the spread
-// prefetch list (kPrefetchTiles), pls lines per step of 16 features, advanced.
+// ks is given) with RoPE rows kr[y] (Dr floats). pk: the next tile's KB key rows (and pkr their RoPE rows) to
+// prefetch, or null; pl: the spread prefetch list (kPrefetchTiles), one line of it per step of 16 features when
+// pls, advanced.
 template <DType DT, int RB, int KB>
 inline __m512 score16(const float* q, const float* qr, const char* const* k,
                       const char* const* kr, const float* ks, int64_t Dk, int64_t Dr, const char* const* pk,
@@ -97,11 +106,11 @@ inline __m512 score16(const float* q, const float* qr, const char* const* k,
   for (int64_t d = 0; d < Dk16; d += 16) {
     __m512 qv[RB];
     for (int x = 0; x < RB; ++x) qv[x] = _mm512_load_ps(q + RB * d + 16 * x);
-    for (int i = 0; i < pls; ++i) _mm_prefetch(*pf++, KVLM_PF_HINT);
+    if (pls) _mm_prefetch(*pf++, KVLM_PF_HINT);
     if (pk && d % line == 0)
       for (int y = 0; y < KB; ++y) _mm_prefetch(pk[y] + d * ES, KVLM_PF_HINT);
     for (int y = 0; y < KB; ++y) {
-      const __m512 kv = load<DT>(k[y] + d * ES);
+      const __m512 kv = in_register(load<DT>(k[y] + d * ES));
       for (int x = 0; x < RB; ++x) a[x * KB + y] = _mm512_fmadd_ps(qv[x], kv, a[x * KB + y]);
     }
   }
@@ -124,7 +133,7 @@ inline __m512 score16(const float* q, const float* qr, const char* const* k,
   }
   for (int64_t d = 0; d < Dr; d += 16) {
     const __mmask16 m = d + 16 <= Dr ? static_cast<__mmask16>(0xFFFF) : tail_mask(Dr);
-    for (int i = 0; i < pls; ++i) _mm_prefetch(*pf++, KVLM_PF_HINT);
+    if (pls) _mm_prefetch(*pf++, KVLM_PF_HINT);
     if (pkr)
       for (int y = 0; y < KB; ++y) _mm_prefetch(pkr[y] + 4 * d, KVLM_PF_HINT);
     __m512 qv[RB];
@@ -143,7 +152,7 @@ inline __m512 score16(const float* q, const float* qr, const char* const* k,
 // acc[x][d0 + 16 z + i] += sum_{j < n} p[x][j] v_j[d0 + 16 z + i] for RB rows and ZC vectors (mask mk[z] on the
 // loads: the tail of Dv reads as 0; FULL: no tail, plain loads), the RB x ZC accumulators in registers across
 // the tile. pv: the next tile's value rows to prefetch (the same columns), or null; pl: the spread prefetch
-// list, pls lines per key.
+// list, one line of it per key when pls.
 template <DType DT, int RB, int ZC, bool FULL = false>
 inline void value_block(const float* p, int ps, const char* const* v, int n, int64_t d0, const __mmask16* mk,
                         float* acc, int64_t as, const char* const* pv, const char* const*& pl, int pls) {
@@ -290,7 +299,7 @@ inline void interleave_rows(const float* q, int64_t W, int64_t r0, float* dst) {
 // Float32 tiles are copied so (a plain copy into rows of stride Dkp) from 4 kWidenRows rows on (MLA verifying
 // T = 4 tokens: 48 rows), where they are otherwise read in place and the next tile prefetched in a burst:
 // measured 1.04-1.05x faster there (kernel_micro.py mla-T4, 2 threads and 1), 0.96x at 24 rows, 0.81x at 12.
-template <DType DT, int TILE, bool WIDEN>
+template <DType DT, int TILE, bool WIDEN, bool SPREAD>
 void attend_range(const Job& J, const float* q, const float* qr, int64_t b, int64_t g, int64_t j0, int64_t j1,
                   const int64_t* lo, const int64_t* hi, float* m, float* l, float* acc) {
   constexpr int ES = Elem<DT>::size;
@@ -326,20 +335,18 @@ void attend_range(const Job& J, const float* q, const float* qr, int64_t b, int6
     max_lo = std::max(max_lo, lo[r]);
     min_hi = std::min(min_hi, hi[r]);
   }
-  // spread prefetch: the lines of the tile kPrefetchTiles ahead, pls per step of the micro-kernels (a step: 16
-  // or 32 FMAs) until the list is done
+  // spread prefetch: the lines of the tile kPrefetchTiles ahead, one per step of the micro-kernels (a step: 16
+  // FMAs) until the list is done; what the steps of a tile do not cover is issued at its end. One line a step, not
+  // a count of them: the loop a count needs cost MLA's kernel 7 % (measured in cache, one thread)
+  static_assert(!(SPREAD && WIDEN), "a widened tile is prefetched in a burst");
 #ifdef KVLM_NO_PREFETCH
-  const bool spread = false;
+  constexpr bool spread = false;
 #else
-  const bool spread = !WIDEN && R >= kWidenRows && R < 4 * kWidenRows;
+  constexpr bool spread = SPREAD;
 #endif
-  const int64_t score_steps = ((R / 4) * (TILE / 4) + (R % 4 >= 2) * (TILE / 8) + (R % 2) * (TILE / 16)) *
-                              ((Dk + 15) / 16 + (Dr + 15) / 16);
-  const int64_t steps = score_steps + (R / 4 + (R % 4 >= 2) + (R % 2)) * (((Dv + 15) / 16 + 3) / 4) * TILE;
   const int64_t row_lines = (Dk * ES + 63) / 64 + (latent ? 0 : (Dv * ES + 63) / 64) + (Dr * 4 + 63) / 64;
-  const int pls = spread ? static_cast<int>((TILE * row_lines + steps - 1) / steps) : 0;
   const int64_t call_steps = std::max<int64_t>((Dk + 15) / 16 + (Dr + 15) / 16, TILE);  // at most, in one call
-  std::vector<const char*> pl_v(spread ? TILE * row_lines + call_steps * pls : 1, zero);
+  std::vector<const char*> pl_v(spread ? TILE * row_lines + call_steps : 1, zero);
   const char* prow[TILE];
   auto list_lines = [&](int64_t t) {
     const int n = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(TILE, j1 - t)));
@@ -412,7 +419,7 @@ void attend_range(const Job& J, const float* q, const float* qr, int64_t b, int6
       const bool first = r0 == 0 && burst;
       const __m512 sv = score16<LD, RB, KB>(qi + r0 * Dkp, qri + r0 * Drp, K + y0, KR + y0,
                                             kscale ? kscale + y0 : nullptr, Dk, Dr, first ? kp[cur ^ 1] + y0 : nullptr,
-                                            first && Dr ? krp[cur ^ 1] + y0 : nullptr, pl, pl < pl_end ? pls : 0);
+                                            first && Dr ? krp[cur ^ 1] + y0 : nullptr, pl, spread && pl < pl_end);
       alignas(64) float tmp[16];
       _mm512_store_ps(tmp, _mm512_mul_ps(sv, _mm512_set1_ps(scale)));
       for (int x = 0; x < RB; ++x) std::memcpy(s + (r0 + x) * TILE + y0, tmp + x * KB, KB * sizeof(float));
@@ -477,12 +484,14 @@ void attend_range(const Job& J, const float* q, const float* qr, int64_t b, int6
       constexpr int RB = decltype(rb_tag)::value;
       for (int64_t z0 = 0; z0 < nvv; z0 += 4)
         values_chunk<LD, RB>(s + r0 * TILE, TILE, Vr, n, nvv, last_v, z0, acc + r0 * Dvp, Dvp,
-                             r0 == 0 && burst && !latent ? vp[cur ^ 1] : nullptr, pl, pl < pl_end ? pls : 0);
+                             r0 == 0 && burst && !latent ? vp[cur ^ 1] : nullptr, pl, spread && pl < pl_end);
       r0 += RB;
     };
     while (R - r0 >= 4) vrows(std::integral_constant<int, 4>());
     if (R - r0 >= 2) vrows(std::integral_constant<int, 2>());
     if (R - r0 >= 1) vrows(std::integral_constant<int, 1>());
+    if constexpr (spread)
+      while (pl < pl_end) _mm_prefetch(*pl++, KVLM_PF_HINT);  // lines the steps did not reach
   }
   for (int64_t r = 0; r < R; ++r) l[r] = _mm512_reduce_add_ps(lv[r]);
 }

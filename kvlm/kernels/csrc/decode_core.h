@@ -472,15 +472,26 @@ void attend_range(const Job& J, const T* q, const T* qr, int64_t b, int64_t g, i
       auto run = [&](auto dt_tag) {
         constexpr DType DT = decltype(dt_tag)::value;
         // widened once per tile: bf16 / int8 / fp8 from kWidenRows rows, float32 (a copy) from 4 kWidenRows
-        if ((DT != DType::f32 || J.R >= 4 * avx512::kWidenRows) && J.R >= avx512::kWidenRows) {
+        const bool widen = (DT != DType::f32 || J.R >= 4 * avx512::kWidenRows) && J.R >= avx512::kWidenRows;
+        // float32 tiles read in place from kWidenRows rows on (MLA): later tiles prefetched spread over the work,
+        // in an instantiation of its own (SPREAD), so that the few-row kernels carry none of its code
+        const bool spread = DT == DType::f32 && !widen && J.R >= avx512::kWidenRows;
+        if (widen) {
           if (wide)
-            avx512::attend_range<DT, 16, true>(J, q, qr, b, g, j0, j1, lo, hi, m, l, acc);
+            avx512::attend_range<DT, 16, true, false>(J, q, qr, b, g, j0, j1, lo, hi, m, l, acc);
           else
-            avx512::attend_range<DT, 32, true>(J, q, qr, b, g, j0, j1, lo, hi, m, l, acc);
+            avx512::attend_range<DT, 32, true, false>(J, q, qr, b, g, j0, j1, lo, hi, m, l, acc);
+        } else if (spread) {
+          if constexpr (DT == DType::f32) {
+            if (wide)
+              avx512::attend_range<DT, 16, false, true>(J, q, qr, b, g, j0, j1, lo, hi, m, l, acc);
+            else
+              avx512::attend_range<DT, KVLM_NARROW_TILE, false, true>(J, q, qr, b, g, j0, j1, lo, hi, m, l, acc);
+          }
         } else if (wide) {
-          avx512::attend_range<DT, 16, false>(J, q, qr, b, g, j0, j1, lo, hi, m, l, acc);
+          avx512::attend_range<DT, 16, false, false>(J, q, qr, b, g, j0, j1, lo, hi, m, l, acc);
         } else {
-          avx512::attend_range<DT, KVLM_NARROW_TILE, false>(J, q, qr, b, g, j0, j1, lo, hi, m, l, acc);
+          avx512::attend_range<DT, KVLM_NARROW_TILE, false, false>(J, q, qr, b, g, j0, j1, lo, hi, m, l, acc);
         }
       };
       if (dt == DType::f32) run(std::integral_constant<DType, DType::f32>());
