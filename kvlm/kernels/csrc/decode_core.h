@@ -399,7 +399,6 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
     V jv[VT];
     for (int u = 0; u < VT; ++u)
       for (int i = 0; i < L; ++i) jv[u][i] = static_cast<T>(t0 + u * L + i);
-    const T last = static_cast<T>(t0 + n - 1);
     for (int64_t r = 0; r < Rb; ++r) {
       V* sr = reinterpret_cast<V*>(s + r * TILE);
       if (r >= R) {
@@ -407,7 +406,6 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
         continue;
       }
       const T lo_r = static_cast<T>(lo[r]), hi_r = static_cast<T>(std::min<int64_t>(hi[r], t0 + n - 1));
-      (void)last;
       T mt = ninf;
       for (int u = 0; u < VT; ++u) {
         sr[u] = (jv[u] < lo_r) | (jv[u] > hi_r) ? V{} + ninf : sr[u];
@@ -471,28 +469,19 @@ void attend_range(const Job& J, const T* q, const T* qr, int64_t b, int64_t g, i
     if (dt == J.v.dtype && (dt == DType::f32 || dt == DType::bf16 || dt == DType::i8 || dt == DType::f8)) {
       auto run = [&](auto dt_tag) {
         constexpr DType DT = decltype(dt_tag)::value;
-        // widened once per tile: bf16 / int8 / fp8 from kWidenRows rows, float32 (a copy) from 4 kWidenRows
+        // widened once per tile: bf16 / int8 / fp8 from kWidenRows rows, float32 (a copy) from 4 kWidenRows; float32
+        // read in place from kWidenRows rows (MLA) prefetches later tiles spread over the work, in an instantiation
+        // of its own (SPREAD), so that the few-row kernels carry none of its code
         const bool widen = (DT != DType::f32 || J.R >= 4 * avx512::kWidenRows) && J.R >= avx512::kWidenRows;
-        // float32 tiles read in place from kWidenRows rows on (MLA): later tiles prefetched spread over the work,
-        // in an instantiation of its own (SPREAD), so that the few-row kernels carry none of its code
-        const bool spread = DT == DType::f32 && !widen && J.R >= avx512::kWidenRows;
-        if (widen) {
-          if (wide)
-            avx512::attend_range<DT, 16, true, false>(J, q, qr, b, g, j0, j1, lo, hi, m, l, acc);
-          else
-            avx512::attend_range<DT, 32, true, false>(J, q, qr, b, g, j0, j1, lo, hi, m, l, acc);
-        } else if (spread) {
-          if constexpr (DT == DType::f32) {
-            if (wide)
-              avx512::attend_range<DT, 16, false, true>(J, q, qr, b, g, j0, j1, lo, hi, m, l, acc);
-            else
-              avx512::attend_range<DT, KVLM_NARROW_TILE, false, true>(J, q, qr, b, g, j0, j1, lo, hi, m, l, acc);
-          }
-        } else if (wide) {
-          avx512::attend_range<DT, 16, false, false>(J, q, qr, b, g, j0, j1, lo, hi, m, l, acc);
-        } else {
-          avx512::attend_range<DT, KVLM_NARROW_TILE, false, false>(J, q, qr, b, g, j0, j1, lo, hi, m, l, acc);
-        }
+        auto* run_range = widen ? (wide ? &avx512::attend_range<DT, 16, true, false>
+                                        : &avx512::attend_range<DT, 32, true, false>)
+                                : (wide ? &avx512::attend_range<DT, 16, false, false>
+                                        : &avx512::attend_range<DT, KVLM_NARROW_TILE, false, false>);
+        if constexpr (DT == DType::f32)
+          if (!widen && J.R >= avx512::kWidenRows)
+            run_range = wide ? &avx512::attend_range<DT, 16, false, true>
+                             : &avx512::attend_range<DT, KVLM_NARROW_TILE, false, true>;
+        run_range(J, q, qr, b, g, j0, j1, lo, hi, m, l, acc);
       };
       if (dt == DType::f32) run(std::integral_constant<DType, DType::f32>());
       if (dt == DType::bf16) run(std::integral_constant<DType, DType::bf16>());
