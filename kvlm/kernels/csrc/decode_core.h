@@ -471,7 +471,7 @@ void attend_range(const Job& J, const T* q, const T* qr, int64_t b, int64_t g, i
         constexpr DType DT = decltype(dt_tag)::value;
         // widened once per tile: bf16 / int8 / fp8 from kWidenRows rows, float32 (a copy) from 4 kWidenRows; float32
         // read in place from kWidenRows rows (MLA) prefetches later tiles spread over the work, in an instantiation
-        // of its own (SPREAD), so that the few-row kernels carry none of its code
+        // of its own (SPREAD), so that the code for fewer rows (GQA, MHA) carries none of it
         const bool widen = (DT != DType::f32 || J.R >= 4 * avx512::kWidenRows) && J.R >= avx512::kWidenRows;
         auto* run_range = widen ? (wide ? &avx512::attend_range<DT, 16, true, false>
                                         : &avx512::attend_range<DT, 32, true, false>)
