@@ -267,7 +267,7 @@ inline void widen(const char* const* rows, const float* scales, int n, int64_t D
 }
 
 // Software prefetch of later tiles (the hardware prefetcher does not follow the block table across
-// pages). With many rows (MLA: compute-heavy tiles) the lines of the tile kPrefetchTiles ahead are issued a few
+// pages). With many rows (MLA: compute-heavy tiles) the lines of the tile kPrefetchTiles ahead are issued one
 // per step of the micro-kernels' loops, spread over the whole tile, so memory streams while the FMAs run
 // (measured, MLA fp32 at 4096 keys: 12-20 % faster than issuing them from the first row block, whose burst
 // fills the line-fill buffers and leaves nothing in flight for the rest of the tile). With few rows (GQA / MHA:
