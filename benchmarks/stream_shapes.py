@@ -7,8 +7,10 @@ pages, 2 threads, interleaved rounds, a bandwidth probe (kvlm.bench.hardware.Pro
 Patterns (each 8 FMAs per 64-byte line against 8 rows of x in L1, every line prefetched 32 KiB ahead into L2,
 except the plain read): ``plain read`` (no FMA, no software prefetch); ``one stream`` (two consecutive lines a step
 as two weight rows at one k: the order a layout interleaving pairs of weight rows would give); ``two rows side by
-side`` (the package's block<8> on the plain weight); ``one row at a time`` (8 x loads a line). Prints GB/s per
-pattern (median over rounds) and each round's ratio to ``two rows side by side``.
+side`` (the package's block<8> on the plain weight); ``one row at a time`` (8 x loads a line); each with x's
+loads over whole rows of 768 (24 KiB of x) or cycling through the first 384 or 192 floats of each row (12 or 6 KiB:
+what a product tiled along K would keep in L1). Prints GB/s per arm (median over rounds) and each round's ratio
+to ``two rows side by side`` over whole rows.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from kvlm.hugepages import zeros_in_huge_pages
 
 HERE = Path(__file__).parent
 PATTERNS = ["plain read", "one stream", "two rows side by side", "one row at a time"]
+ARMS = [(0, 768), (1, 768), (2, 768), (3, 768), (1, 384), (1, 192), (2, 384)]  # (pattern, x floats a row cycled)
 
 
 def main() -> None:
@@ -40,12 +43,12 @@ def main() -> None:
     x = torch.randn(8 * 768)
     probe = Probe(torch.device("cpu"), mib=256, matmul=512)
     before = [probe.read_gbs() for _ in range(3)]
-    times = {p: [] for p in range(len(PATTERNS))}
+    times = {a: [] for a in ARMS}
     for r in range(args.rounds):
         order = list(times) if r % 2 else list(times)[::-1]
         for p in order:
             t0 = time.perf_counter()
-            ext.run(w, x, p)
+            ext.run(w, x, *p)
             times[p].append(time.perf_counter() - t0)
     after = [probe.read_gbs() for _ in range(3)]
     nbytes = w.numel() * 4
@@ -53,10 +56,10 @@ def main() -> None:
           f"{' '.join(f'{b:.0f}' for b in before)}, after {' '.join(f'{a:.0f}' for a in after)} GB/s\n")  # fmt: skip
     print("| pattern | GB/s | x two rows side by side (rounds: median, range) |")
     print("|---|---:|---|")
-    side = times[2]
-    for p, ts in times.items():
+    side = times[(2, 768)]
+    for (p, cycle), ts in times.items():
         ratios = [s / t for s, t in zip(side, ts)]
-        print(f"| {PATTERNS[p]} | {nbytes / statistics.median(ts) / 1e9:.0f} | {statistics.median(ratios):.2f} "
+        print(f"| {PATTERNS[p]}{f', x {cycle * 32 // 1024} KiB' if p else ''} | {nbytes / statistics.median(ts) / 1e9:.0f} | {statistics.median(ratios):.2f} "
               f"({min(ratios):.2f}-{max(ratios):.2f}) |")  # fmt: skip
 
 

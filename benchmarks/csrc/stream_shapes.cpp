@@ -9,6 +9,7 @@
 //   2 two rows side by side: the package's block<8> order on the plain (N, K) weight, rows of 768 floats, two at
 //     a time, one line of each a step (4 x loads a line)
 //   3 one row at a time: two consecutive lines of one row a step, each line its own 8 x loads (8 x loads a line)
+// and each with x's loads over whole rows (24 KiB) or cycling through the first x_cycle floats of each row.
 #include <ATen/ATen.h>
 #include <omp.h>
 #include <torch/csrc/utils/pybind.h>
@@ -23,7 +24,7 @@ inline __m512 reg(__m512 v) {  // keep a loaded vector in a register (no load fo
 }
 
 template <int P>
-float stream(const float* w, int64_t n, const float* x) {
+float stream(const float* w, int64_t n, const float* x, int64_t x_cycle) {
   float total = 0;
 #pragma omp parallel reduction(+ : total)
   {
@@ -43,7 +44,9 @@ float stream(const float* w, int64_t n, const float* x) {
         }
         _mm_prefetch(reinterpret_cast<const char*>(w0) + kFar, _MM_HINT_T1);
         _mm_prefetch(reinterpret_cast<const char*>(w1) + kFar, _MM_HINT_T1);
-        const int64_t k = P == 2 ? kk : (2 * kk) % kRow;
+        // one stream and two rows: both rows at k; one row: two k a step. x_cycle < kRow: the loads of x cycle
+        // through the first x_cycle floats of each row (as a product tiled along K would keep them)
+        const int64_t k = (P == 3 ? (2 * kk) % kRow : kk) % x_cycle;
         for (int r = 0; r < 8; ++r) {
           const __m512 x0 = reg(_mm512_loadu_ps(x + r * kRow + k));
           const __m512 x1 = P == 3 ? reg(_mm512_loadu_ps(x + r * kRow + k + 16)) : x0;
@@ -59,15 +62,16 @@ float stream(const float* w, int64_t n, const float* x) {
   return total;
 }
 
-float run(const at::Tensor& w, const at::Tensor& x, int64_t pattern) {
+float run(const at::Tensor& w, const at::Tensor& x, int64_t pattern, int64_t x_cycle) {
+  TORCH_CHECK(x_cycle >= 32 && x_cycle <= kRow && x_cycle % 32 == 0, "x_cycle: a multiple of 32 up to 768");
   TORCH_CHECK(w.is_contiguous() && x.is_contiguous() && x.numel() >= 8 * kRow, "contiguous w, x of 8 x 768");
   const float* wp = w.data_ptr<float>();
   const float* xp = x.data_ptr<float>();
   switch (pattern) {
-    case 0: return stream<0>(wp, w.numel(), xp);
-    case 1: return stream<1>(wp, w.numel(), xp);
-    case 2: return stream<2>(wp, w.numel(), xp);
-    default: return stream<3>(wp, w.numel(), xp);
+    case 0: return stream<0>(wp, w.numel(), xp, x_cycle);
+    case 1: return stream<1>(wp, w.numel(), xp, x_cycle);
+    case 2: return stream<2>(wp, w.numel(), xp, x_cycle);
+    default: return stream<3>(wp, w.numel(), xp, x_cycle);
   }
 }
 }  // namespace
