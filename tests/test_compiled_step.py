@@ -134,7 +134,7 @@ def _count_packed_products(monkeypatch) -> list:
     from kvlm.attention import linear
 
     calls, real = [], linear._packed_product
-    monkeypatch.setattr(linear, "_packed_product", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(linear, "_packed_product", lambda *a, **k: calls.append(1) or real(*a, **k))
     return calls
 
 

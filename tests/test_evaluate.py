@@ -82,7 +82,7 @@ def test_perplexity_runs_on_packed_weights_where_they_measured_faster(monkeypatc
     plain = perplexity(model, ids, seq_len=20, batch_size=2)
     products = []
     real = linear._packed_product
-    monkeypatch.setattr(linear, "_packed_product", lambda x, *a: products.append(x.shape[:-1]) or real(x, *a))
+    monkeypatch.setattr(linear, "_packed_product", lambda x, *a, **k: products.append(x.shape[:-1]) or real(x, *a, **k))
     monkeypatch.setattr(generation, "PACK_MIN_PREFILL_ROWS", 40)  # 2 windows of 20 rows a forward
     for wins, want in ((linear.ANY_ROWS, True), (None, False)):
         products.clear()

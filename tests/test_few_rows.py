@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from conftest import require_kernels, tiny_config
 
 from kvlm import build_model
-from kvlm.attention.linear import ANY_ROWS, GroupPacking, Linear, packing_available
+from kvlm.attention.linear import ANY_ROWS, PANELS, GroupPacking, Linear, packing_available
 from kvlm.bench.flops import CountFlops
 from kvlm.kernels import few_rows
 from kvlm.kernels.shared import LINEAR_CALLS
@@ -116,15 +116,17 @@ def test_the_packed_products_or_the_kernel_by_measurement(monkeypatch):
     monkeypatch.setattr(linear, "_reorder", lambda w, rows: reorders.append(rows) or real_reorder(w, rows))
     monkeypatch.setattr(linear, "_FASTEST", {})
     answer = linear.fastest_packing(w, 12)
-    assert answer in (None, 12, ANY_ROWS) and reorders == [12, ANY_ROWS]
-    assert linear.fastest_packing(w, 12) == answer and reorders == [12, ANY_ROWS]
+    assert answer in (None, 12, ANY_ROWS, PANELS) and reorders == [12, ANY_ROWS, PANELS]
+    assert linear.fastest_packing(w, 12) == answer and reorders == [12, ANY_ROWS, PANELS]
+    reorders.clear()  # up to 8 rows the kernel's own panels are the one candidate (the libraries are behind there)
+    assert linear.fastest_packing(w, 3) in (None, PANELS) and reorders == [PANELS]
     # the slowest arm is never the answer: each candidate made slow in turn
-    for slow in (None, 12, ANY_ROWS):
+    for slow in (None, 12, ANY_ROWS, PANELS):
         monkeypatch.setattr(linear, "_FASTEST", {})
 
-        def product(x, packed, weight, bias, rows, slow=slow):
+        def product(x, packed, weight, bias, rows, count=True, slow=slow):
             time.sleep(0.02 if rows == slow else 0.0)
-            return real_product(x, packed, weight, bias, rows)
+            return real_product(x, packed, weight, bias, rows, count)
 
         def few(*a, slow=slow, **k):
             time.sleep(0.02 if slow is None and k.get("count") is False else 0.0)
@@ -135,7 +137,7 @@ def test_the_packed_products_or_the_kernel_by_measurement(monkeypatch):
         got = linear.fastest_packing(w, 12)
         assert got != slow
         if slow is None and few_rows.few_rows_available():
-            assert got in (12, ANY_ROWS)
+            assert got in (12, ANY_ROWS, PANELS)
     # without the kernel, and beyond its rows with it, the unpacked arm is torch's own product: timed as well
     monkeypatch.setattr(linear, "_packed_product", real_product)
     monkeypatch.setattr(linear, "few_rows_linear", real_few)
@@ -150,9 +152,9 @@ def test_the_packed_products_or_the_kernel_by_measurement(monkeypatch):
                 time.sleep(0.0 if fast is None else 0.02)
                 return real_unpacked(*a, **k)
 
-            def product(x, packed, weight, bias, r, fast=fast):
+            def product(x, packed, weight, bias, r, count=True, fast=fast):
                 time.sleep(0.0 if r == fast else 0.02)
-                return real_product(x, packed, weight, bias, r)
+                return real_product(x, packed, weight, bias, r, count)
 
             monkeypatch.setattr(linear, "_unpacked_product", unpacked)
             monkeypatch.setattr(linear, "_packed_product", product)
@@ -176,13 +178,81 @@ def test_fastest_packing_names_a_layout_only_for_a_clear_gain(monkeypatch):
 
     monkeypatch.setattr(linear, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
     monkeypatch.setattr(linear, "_unpacked_product", lambda *a, **k: advance(None))
-    monkeypatch.setattr(linear, "_packed_product", lambda x, p, w, b, rows: advance(rows))
+    monkeypatch.setattr(linear, "_packed_product", lambda x, p, w, b, rows, count=True: advance(rows))
     w = torch.randn(40, 16)
     for gain, want in ((1.05, None), (linear.PACK_GAIN * 1.02, ANY_ROWS)):
         monkeypatch.setattr(linear, "_FASTEST", {})
         cost.clear()
         cost.update({None: 1.0, ANY_ROWS: 1.0 / gain, 24: 2.0})
         assert linear.fastest_packing(w, 24) == want
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("k", [1, 37, 64, 200])
+def test_panels_take_1_to_16_rows_before_the_kernel(bias, k):
+    """A Linear packed in the kernel's panels (32 weight rows column by column) takes products of 1-16 rows through
+    them, before the kernel on the plain weight, with float64's values: 33 weight rows (a partial panel), feature
+    counts off and on the vector width, row blocks of 8, 4, 2, 1 and their sums, leading axes kept; beyond 16 rows
+    the unpacked product."""
+    torch.manual_seed(k)
+    lin = Linear(k, 33, bias=bias).eval()
+    with torch.no_grad():
+        assert lin.pack_for_decode(PANELS) and lin.packed_first()
+        for rows in (1, 2, 3, 4, 5, 7, 8, 9, 12, 15, 16, 17):
+            x = torch.randn(rows, 1, k)
+            panels, plain = LINEAR_CALLS["panels"], LINEAR_CALLS["few_rows"]
+            got = lin(x)
+            assert got.shape == (rows, 1, 33)
+            want = _reference(x, [lin.weight], [lin.bias])
+            torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * k**0.5)
+            calls = (LINEAR_CALLS["panels"] - panels, LINEAR_CALLS["few_rows"] - plain)
+            assert calls == ((1, 0) if rows <= 16 else (0, 0)), rows
+
+
+def test_panels_step_aside_for_a_written_weight_and_for_autograd():
+    """A weight written since packing makes the copy stale: the kernel on the plain weight takes the product (the
+    new weight's values) until it is packed again; with autograd recording, the plain product (it has a backward)."""
+    torch.manual_seed(0)
+    lin = Linear(48, 40).eval()
+    x = torch.randn(3, 48)
+    with torch.no_grad():
+        assert lin.pack_for_decode(PANELS)
+        lin.weight.mul_(2)
+        panels, plain = LINEAR_CALLS["panels"], LINEAR_CALLS["few_rows"]
+        got = lin(x)
+        assert (LINEAR_CALLS["panels"] - panels, LINEAR_CALLS["few_rows"] - plain) == (0, 1)
+        torch.testing.assert_close(got.double(), _reference(x, [lin.weight], [lin.bias]), rtol=1e-5, atol=1e-5)
+        assert lin.pack_for_decode(PANELS)
+        lin(x)
+        assert LINEAR_CALLS["panels"] - panels == 1
+    panels = LINEAR_CALLS["panels"]
+    lin(x.requires_grad_(True)).sum().backward()
+    assert LINEAR_CALLS["panels"] == panels and x.grad is not None and lin.weight.grad is not None
+
+
+@pytest.mark.parametrize("attention,extra", [("mha", {}), ("mla", dict(kv_lora_rank=32, rope_head_dim=8))])
+def test_a_step_on_panels_gives_the_logits_and_flops_of_the_plain_kernel(attention, extra):
+    """With the weights packed in panels a decode step of 3 rows runs every product through them, one call per
+    group of projections (as many calls as the kernel on the plain weights made), with its logits and its FLOPs."""
+    model = build_model(tiny_config(attention, **extra)).eval().prepare_for_inference()
+    want, calls, _ = _decode(model, 3)
+    tok = torch.randint(0, model.cfg.vocab_size, (3, 1))
+    flops = []
+    for packed in (False, True):
+        if packed:
+            assert model.pack_for_decode(PANELS) > 0
+        with torch.inference_mode(), CountFlops() as c:
+            model(tok, cache=model.new_cache(3, 8))
+        flops.append(c.total)
+    panels = LINEAR_CALLS["panels"]
+    got, plain, _ = _decode(model, 3)
+    assert calls > 0 and plain == 0 and LINEAR_CALLS["panels"] - panels == calls
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert flops[0] > 0 and flops[0] == flops[1]
+    model.pack_for_decode(None)
+    panels = LINEAR_CALLS["panels"]
+    _decode(model, 3)
+    assert LINEAR_CALLS["panels"] == panels  # unpacked: the copies dropped
 
 
 def _decode(model, B, n_new=1):
@@ -244,12 +314,16 @@ def test_a_step_through_it_counts_the_same_flops(monkeypatch):
     assert totals[0] > 0 and totals[0] == totals[1]
 
 
-@pytest.mark.parametrize("batch", [2, 12])
-def test_the_compiled_step_runs_the_same_products_through_it(batch):
+@pytest.mark.parametrize("batch,layout", [(2, None), (12, None), (2, PANELS)])
+def test_the_compiled_step_runs_the_same_products_through_it(batch, layout):
     """Under torch.compile the products go through the operator kvlm::packed_linear, which runs the kernel (at 12
-    rows: as no packed copy serves them): as many kernel calls as the eager step, the same logits."""
+    rows: as no packed copy serves them), or the panels first where the weights are packed in them: as many calls
+    as the eager step, the same logits."""
     torch.manual_seed(0)
     model = build_model(tiny_config("mla", kv_lora_rank=48, rope_head_dim=8, max_seq_len=32)).eval()
+    counter = "few_rows" if layout is None else "panels"
+    if layout is not None:
+        assert model.pack_for_decode(layout) > 0
     cache = model.new_cache(batch, 24)
     cache.fill_random_(5, model.cfg.vocab_size)
     tok = torch.randint(0, model.cfg.vocab_size, (batch, 1))
@@ -258,13 +332,13 @@ def test_the_compiled_step_runs_the_same_products_through_it(batch):
     with torch.inference_mode():
         for length in (5, 7):
             cache.length = length
-            before = LINEAR_CALLS["few_rows"]
+            before = LINEAR_CALLS[counter]
             eager = model(tok, cache=cache)
-            n_eager = LINEAR_CALLS["few_rows"] - before
+            n_eager = LINEAR_CALLS[counter] - before
             cache.length = length
-            before = LINEAR_CALLS["few_rows"]
+            before = LINEAR_CALLS[counter]
             compiled = step(tok)
-            assert n_eager > 0 and LINEAR_CALLS["few_rows"] - before == n_eager
+            assert n_eager > 0 and LINEAR_CALLS[counter] - before == n_eager
             torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
 
 

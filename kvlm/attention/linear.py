@@ -15,8 +15,12 @@ autograd:
     dynamic batch): the serving engine, whose steps have any number of rows. Measured on this project's 2-core
     Intel machine, the reference shape's weights at 1 thread: 8 / 16 / 32 rows 51 / 61 / 101 ms against
     104 / 96 / 149 ms unpacked and 41 / 50 / 89 ms for MKL's layout packed for exactly that count.
-  ``generate`` packs from batch 9 (from 4 where the kernel is missing) in whichever of the two layouts measured
-  fastest on this machine, or not at all where the unpacked product did (``fastest_packing``).
+  - ``pack_for_decode(PANELS)``: the few-row kernel's panels (``kvlm.kernels.few_rows.pack_panels``: 32 weight
+    rows column by column, read as one sequential stream), which serve 1 to ``MAX_ROWS`` rows and go before the
+    plain-weight kernel: on this project's AMD EPYC 1.17-1.25x faster than it at 2-8 rows, 1.04-1.12x at 1,
+    1.06-1.13x faster than oneDNN's layout at 9-16 rows.
+  ``generate`` packs from batch 1 where the kernel is built (from 4 where it is missing) in whichever of the
+  layouts measured fastest on this machine, or not at all where the unpacked product did (``fastest_packing``).
 - Up to ``MAX_ROWS`` (16) rows that no packed copy serves, the few-row kernel again.
 - Unpacked, 4-16 rows run as W x^T, which MKL streams faster than x W^T (the 32000 x 768 LM head at batch 8:
   12.4 ms against 25.6 ms on Intel); others F.linear.
@@ -38,32 +42,47 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import register_flop_formula
 
-from kvlm.kernels.few_rows import few_rows_fit, few_rows_linear
+from kvlm.kernels.few_rows import (
+    FEW_ROWS,
+    MAX_ROWS,
+    few_rows_available,
+    few_rows_fit,
+    few_rows_linear,
+    pack_panels,
+    panel_product,
+)
 from kvlm.kernels.library import packed_linear, register_packed
 
 ANY_ROWS = "any"  # pack_for_decode(ANY_ROWS): one layout for products of any number of rows (oneDNN)
+PANELS = "panels"  # pack_for_decode(PANELS): the few-row kernel's panels, 1 to MAX_ROWS rows, before the kernel
 
 
 def packing_available(rows: int | str) -> bool:
     """Whether this torch build has the library behind ``pack_for_decode(rows)``: MKL for a fixed row count,
-    oneDNN for ``ANY_ROWS``."""
+    oneDNN for ``ANY_ROWS``, the few-row kernel (AVX-512, kernels built) for ``PANELS``."""
+    if rows == PANELS:
+        return few_rows_available()
     if rows == ANY_ROWS:
         return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
 
 
 def _check_rows(rows) -> None:
-    if rows != ANY_ROWS and (not isinstance(rows, int) or isinstance(rows, bool) or rows < 1):
-        raise ValueError(f"rows must be an integer >= 1 or {ANY_ROWS!r}, got {rows!r}")
+    if rows not in (ANY_ROWS, PANELS) and (not isinstance(rows, int) or isinstance(rows, bool) or rows < 1):
+        raise ValueError(f"rows must be an integer >= 1, {ANY_ROWS!r} or {PANELS!r}, got {rows!r}")
 
 
 def _reorder(w: torch.Tensor, rows: int | str) -> torch.Tensor:
+    if rows == PANELS:
+        return pack_panels(w)
     if rows == ANY_ROWS:
         return torch.ops.mkldnn._reorder_linear_weight(w, None)
     return torch.ops.mkl._mkl_reorder_linear_weight(w, rows)
 
 
-def _packed_product(x, packed, shape_weight, bias, rows: int | str) -> torch.Tensor:
+def _packed_product(x, packed, shape_weight, bias, rows: int | str, count: bool = True) -> torch.Tensor:
+    if rows == PANELS:  # the libraries' products are counted by torch's FLOP counter, the kernel's here
+        return panel_product(x, packed, shape_weight.shape[0], bias, count)
     if rows == ANY_ROWS:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return torch.ops.mkl._mkl_linear(x, packed, shape_weight, bias, rows)
@@ -75,7 +94,9 @@ PACK_GAIN = 1.1  # fastest_packing names a packed layout only when it is at leas
 
 def fastest_packing(weight: torch.Tensor, rows: int, rounds: int = 5) -> int | str | None:
     """What to pack for so that products of ``rows`` rows by ``weight`` run fastest on this machine: ``rows``
-    (MKL's layout for exactly that count), ``ANY_ROWS`` (oneDNN's blocked layout) or None (no copy: the plain
+    (MKL's layout for exactly that count), ``ANY_ROWS`` (oneDNN's blocked layout), ``PANELS`` (the few-row
+    kernel's, up to ``MAX_ROWS`` rows; the only candidate up to ``FEW_ROWS``, where the kernel on the plain weight
+    is ahead of the libraries) or None (no copy: the plain
     weight as ``Linear`` takes it unpacked, by the few-row kernel up to ``MAX_ROWS`` rows, by torch's product
     beyond; also where no library is available). The candidates this build and CPU have are timed on ``weight``
     (a decode step passes its LM head, the largest product) in ``rounds`` interleaved rounds, once per process for
@@ -90,10 +111,12 @@ def fastest_packing(weight: torch.Tensor, rows: int, rounds: int = 5) -> int | s
             w = weight.detach().contiguous()
             x = torch.randn(rows, w.shape[1], dtype=w.dtype)
             arms: dict = {None: lambda: _unpacked_product(x, w, None, count=False)}
-            for layout in (rows, ANY_ROWS):
-                if packing_available(layout):
+            for layout in (PANELS,) if rows <= FEW_ROWS and few_rows_available() else (rows, ANY_ROWS, PANELS):
+                if packing_available(layout) and _applies(layout, rows):
                     packed = _reorder(w, layout)
-                    arms[layout] = lambda packed=packed, layout=layout: _packed_product(x, packed, w, None, layout)
+                    arms[layout] = lambda packed=packed, layout=layout: _packed_product(
+                        x, packed, w, None, layout, count=False
+                    )
             times: dict = {k: [] for k in arms}
             for _ in range(rounds if len(arms) > 1 else 0):
                 for k, f in arms.items():
@@ -110,6 +133,8 @@ def fastest_packing(weight: torch.Tensor, rows: int, rounds: int = 5) -> int | s
 
 def _applies(rows: int | str, n: int) -> bool:
     """Whether weights packed for ``rows`` serve a product of n rows."""
+    if rows == PANELS:
+        return 1 <= n <= MAX_ROWS
     return n >= Linear.min_rows if rows == ANY_ROWS else n == rows
 
 
@@ -151,6 +176,10 @@ class Linear(nn.Linear):
     def unpack(self) -> None:
         self._packed = None
 
+    def packed_first(self) -> bool:
+        """Whether the packed copy goes before the few-row kernel on the plain weight (``PANELS``)."""
+        return self._packed is not None and self._packed[0][2] == PANELS
+
     def train(self, mode: bool = True):
         if mode:
             self._packed = None
@@ -160,7 +189,7 @@ class Linear(nn.Linear):
         self._packed = None
         return super()._apply(fn, recurse)
 
-    def _packed_for(self, x: torch.Tensor, n: int) -> torch.Tensor | None:
+    def _packed_for(self, x: torch.Tensor, n: int, count: bool = True) -> torch.Tensor | None:
         key, packed = self._packed
         w = self.weight
         rows = key[2]
@@ -168,13 +197,14 @@ class Linear(nn.Linear):
             return None
         if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
             return None  # the packed product has no backward through the packed weight
-        return _packed_product(x, packed, w, self.bias, rows)
+        return _packed_product(x, packed, w, self.bias, rows, count)
 
-    def packed_outputs(self, weights: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor | None:
-        """x W^T + b through the packed copy (``kvlm::packed_linear``), or None where it does not serve."""
+    def packed_outputs(self, weights: list[torch.Tensor], x: torch.Tensor, count: bool = True) -> torch.Tensor | None:
+        """x W^T + b through the packed copy (``kvlm::packed_linear``, which counts its FLOPs itself: ``count``
+        False), or None where it does not serve."""
         if self._packed is None or len(weights) != 1 or weights[0].shape != self.weight.shape:
             return None
-        return self._packed_for(x, x.numel() // x.shape[-1] if x.numel() else 0)
+        return self._packed_for(x, x.numel() // x.shape[-1] if x.numel() else 0, count)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.numel() else 0
@@ -183,8 +213,11 @@ class Linear(nn.Linear):
                 if not torch.is_grad_enabled() and (self._packed is not None or few_rows_fit(x, first=False)):
                     return packed_linear(x, [self.weight], [self.bias])  # no backward: no grad only
             else:
-                y = few_rows_linear(x, [self.weight], [self.bias])
-                if y is None and self._packed is not None:
+                first = self.packed_first()
+                y = self._packed_for(x, rows) if first else None
+                if y is None:
+                    y = few_rows_linear(x, [self.weight], [self.bias])
+                if y is None and self._packed is not None and not first:
                     y = self._packed_for(x, rows)
                 if y is not None:
                     return y
@@ -266,6 +299,10 @@ class PackedGroup:
         self.shape_weight = w.new_zeros(()).expand(w.shape)
         register_packed(ws, self)  # what a compiled step's kvlm::packed_linear finds
 
+    def packed_first(self) -> bool:
+        """Whether the packed copy goes before the few-row kernel on the plain weight (``PANELS``)."""
+        return self.rows == PANELS
+
     @staticmethod
     def _key(weights: list[torch.Tensor], rows: int | str) -> tuple:
         return tuple((w.data_ptr(), _version(w)) for w in weights) + (rows,)
@@ -284,8 +321,9 @@ class PackedGroup:
         y = self.packed_outputs([m.weight for m in linears], x)
         return None if y is None else list(y.split(self.sizes, dim=-1))
 
-    def packed_outputs(self, weights: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor | None:
-        """The outputs concatenated (``kvlm::packed_linear``), or None where the packed copy does not serve."""
+    def packed_outputs(self, weights: list[torch.Tensor], x: torch.Tensor, count: bool = True) -> torch.Tensor | None:
+        """The outputs concatenated (``kvlm::packed_linear``: ``count`` False), or None where the packed copy does
+        not serve."""
         n = x.numel() // x.shape[-1] if x.numel() else 0
         if not _applies(self.rows, n) or x.dtype != torch.float32 or x.device.type != "cpu":
             return None
@@ -293,7 +331,7 @@ class PackedGroup:
             return None
         if self._key(weights, self.rows) != self.key:
             return None  # a weight was written or replaced since packing: the unfused path is exact
-        return _packed_product(x, self.packed, self.shape_weight, self.bias, self.rows)
+        return _packed_product(x, self.packed, self.shape_weight, self.bias, self.rows, count)
 
 
 class GroupPacking(nn.Module):
@@ -317,8 +355,8 @@ class GroupPacking(nn.Module):
 
     def group_outputs(self, names: tuple[str, ...], x: torch.Tensor) -> list[torch.Tensor] | None:
         """The outputs of the Linears ``names`` on x as one product: by the few-row kernel where it applies, else
-        through their packed group, or None (neither applies: the caller runs them one by one, which gives the
-        same values)."""
+        through their packed group (first, where it is in ``PANELS``), or None (neither applies: the caller runs
+        them one by one, which gives the same values)."""
         group = self.__dict__.get("_decode_groups", {}).get(names)
         linears = [getattr(self, n) for n in names]
         weights, biases = [m.weight for m in linears], [m.bias for m in linears]
@@ -329,8 +367,12 @@ class GroupPacking(nn.Module):
                 return None
             y = packed_linear(x, weights, biases)
         else:
+            first = group is not None and group.packed_first()
+            ys = group.outputs(linears, x) if first else None
+            if ys is not None:
+                return ys
             y = few_rows_linear(x, weights, biases)
-            if y is None and group is not None:
+            if y is None and group is not None and not first:
                 ys = group.outputs(linears, x)
                 if ys is not None:
                     return ys

@@ -20,12 +20,19 @@ kernel streamed the weights in 11.4 ms against MKL packed 29.7 on the AMD EPYC, 
 Xeon, and oneDNN's blocked layout in 10.1 on the AMD EPYC. There it runs where no packed copy applies, and
 ``generate`` packs where MKL's or oneDNN's layout measured faster on this machine
 (``kvlm.attention.linear.fastest_packing``).
+
+``pack_panels`` makes the decode-time copy in panels (``Linear.pack_for_decode(PANELS)``, csrc/few_rows_panels.h):
+32 weight rows column by column, read as one sequential stream by an outer product. On the AMD EPYC, the reference
+shape's 268 MB: 1.17-1.25x faster than the plain-weight kernel at 2-8 rows, 1.04-1.12x at 1, and 1.06-1.13x faster
+than oneDNN's layout at 9-16 rows (benchmarks/decode-limit.md); a second copy of the weights, so ``generate``
+takes it where it measured faster (``fastest_packing``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from kvlm.hugepages import zeros_in_huge_pages
 from kvlm.kernels.cpu import extension
 from kvlm.kernels.shared import LINEAR_CALLS, PLAIN_TENSORS, count_flops
 
@@ -117,3 +124,29 @@ def few_rows_head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | Non
     # (h, B T, a): a view when T == 1 or B == 1 (decode), else a copy; the result (B T, h, b) viewed as (B, h, T, b)
     y = ext.head_products(x.transpose(0, 1).reshape(h, rows, a), w)
     return y.view(B, T, h, -1).transpose(1, 2)
+
+
+PANEL = 32  # weight rows a panel (csrc/few_rows_panels.h)
+
+
+def pack_panels(w: torch.Tensor) -> torch.Tensor:
+    """W (N, K) -> its panels (ceil(N / 32), 32 K): panel p holds rows [32 p, 32 p + 32) column by column,
+    P[p, 32 k + j] = W[32 p + j, k], zeros past N; in huge pages where that applies, as the weights are."""
+    n, k = w.shape
+    rows = -(-n // PANEL) * PANEL
+    padded = w.new_zeros(rows, k)
+    padded[:n] = w
+    out = zeros_in_huge_pages((rows // PANEL, PANEL * k), w.dtype, w.device)
+    return out.copy_(padded.view(rows // PANEL, PANEL, k).transpose(1, 2).reshape(rows // PANEL, PANEL * k))
+
+
+def panel_product(
+    x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None, count: bool = True
+) -> torch.Tensor:
+    """x W^T + b from W's panels (``pack_panels``; n: W's rows) by the kernel, which must be available (the caller,
+    ``kvlm.attention.linear``, packs only where ``few_rows_available``): float32 CPU tensors, no autograd.
+    ``count``: add its FLOPs to the kernels' running total."""
+    if count:
+        count_flops("linear", 2 * x.numel() * n)
+    LINEAR_CALLS["panels"] += 1
+    return extension().panel_linear(x, panels, n, bias)

@@ -22,6 +22,7 @@
 
 #include "decode_core.h"
 #include "few_rows.h"
+#include "few_rows_panels.h"
 
 namespace {
 
@@ -252,6 +253,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last axis in one pass (CPU)");
 #if KVLM_AVX512
   m.def("few_rows_linear", &kvlm_decode::few_rows::linear, "[x W_i^T + b_i] at a few rows of x (AVX-512 CPU)");
+  m.def("panel_linear", &kvlm_decode::few_rows::panel_linear, "x W^T + b on W's panels (AVX-512 CPU)");
   m.def("head_products", &kvlm_decode::few_rows::head_products, "x_h W_h per head at a few rows (AVX-512 CPU)");
 #endif
 }
