@@ -11,7 +11,9 @@ into L2 and 2 KiB into L1: ``--prefetch -32768 --near 2048``).
 Weights: the reference shape's projections (fused q/k/v, output, fused gate/up, down; 6 layers) and the LM head,
 268 MB, allocated in 2 MiB pages as ``prepare_for_inference`` leaves them. Each line: the median over rounds of
 the time to stream them all once, and the rate in GB/s of weights read; ``few pfN`` prefetches N bytes ahead;
-``MKL packed``: MKL's layout for exactly M rows; ``oneDNN packed``: oneDNN's blocked layout for any M (ANY_ROWS).
+``MKL packed``: MKL's layout for exactly M rows; ``oneDNN packed``: oneDNN's blocked layout for any M (ANY_ROWS);
+``package``: the package's kernel on the plain weight (kvlm.kernels.few_rows_linear, csrc/few_rows.h);
+``panels``: the package's kernel on its panels (kvlm.kernels.few_rows.pack_panels, csrc/few_rows_panels.h).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from kvlm.hugepages import zeros_in_huge_pages
+from kvlm.kernels import cpu
+from kvlm.kernels.few_rows import pack_panels
 
 HERE = Path(__file__).parent
 D, FFN, VOCAB = 768, 2048, 32000
@@ -56,6 +60,8 @@ def main() -> None:
     for o, i in shapes:
         w = zeros_in_huge_pages((o, i), torch.float32, torch.device("cpu"))
         weights.append(w.copy_(torch.randn(o, i)))
+    package = cpu.extension()
+    panels = [pack_panels(w) for w in weights] if package is not None and hasattr(package, "panel_linear") else []
     mb = sum(w.numel() for w in weights) * 4 / 1e6
     print(f"{torch.get_num_threads()} threads, {mb:.0f} MB of weights; ms (GB/s)", flush=True)
     for M in args.rows:
@@ -79,6 +85,14 @@ def main() -> None:
         calls["oneDNN packed"] = lambda xs=xs, blocked=blocked: [
             torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "") for w, p in zip(weights, blocked)
         ]
+        if package is not None and hasattr(package, "panel_linear"):
+            calls["package"] = lambda xs=xs: [package.few_rows_linear(xs[w.shape[1]], [w], [None]) for w in weights]
+            calls["panels"] = lambda xs=xs: [
+                package.panel_linear(xs[w.shape[1]], p, w.shape[0], None) for w, p in zip(weights, panels)
+            ]
+            for w, p in zip(weights[:4] + weights[-1:], panels[:4] + panels[-1:]):
+                x = xs[w.shape[1]]
+                torch.testing.assert_close(package.panel_linear(x, p, w.shape[0], None), F.linear(x, w), rtol=1e-4, atol=1e-3)
         times: dict = {k: [] for k in calls}
         with torch.inference_mode():
             for _ in range(args.rounds):

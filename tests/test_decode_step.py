@@ -213,9 +213,10 @@ def test_packed_step_counts_the_same_flops(rows):
 
 @needs_mkl
 def test_generate_packs_by_default_only_where_it_pays(monkeypatch):
-    """Default: packed for 16+ steps on CPU float32 at any batch where the few-row kernel is (its panels, by
-    measurement), from batch 4 where it is not (below 4 rows F.linear streams as fast), then dropped; beyond the
-    kernel's 16 rows too (on AMD CPUs torch's unpacked product runs at half oneDNN's speed)."""
+    """Default: packed for 16+ steps on CPU float32 from batch 2 where the few-row kernel is (its panels, by
+    measurement; at batch 1 they are no faster), from batch 4 where it is not (below 4 rows F.linear streams as
+    fast), then dropped; beyond the kernel's 16 rows too (on AMD CPUs torch's unpacked product runs at half
+    oneDNN's speed)."""
     from kvlm.inference import generation
     from kvlm.model import KVLM
 
@@ -227,7 +228,7 @@ def test_generate_packs_by_default_only_where_it_pays(monkeypatch):
     # packing follows the measurement (MKL's layout taken as the fastest here; the tests below take the other
     # outcomes)
     monkeypatch.setattr(generation, "fastest_packing", lambda weight, rows: rows)
-    for available, lowest in ((True, 1), (False, 4)):
+    for available, lowest in ((True, 2), (False, 4)):
         monkeypatch.setattr(generation, "few_rows_available", lambda available=available: available)
         calls.clear()
         generate(model, [[1, 2]] * lowest, 16)
@@ -236,8 +237,7 @@ def test_generate_packs_by_default_only_where_it_pays(monkeypatch):
         assert calls == [lowest, None, 16, None, 40, None]
         calls.clear()
         generate(model, [[1, 2]] * lowest, 8)  # too few steps to repay packing
-        if lowest > 1:
-            generate(model, [[1, 2]] * (lowest - 1), 16)  # too few rows
+        generate(model, [[1, 2]] * (lowest - 1), 16)  # too few rows
         assert calls == []
 
 

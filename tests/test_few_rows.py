@@ -120,6 +120,8 @@ def test_the_packed_products_or_the_kernel_by_measurement(monkeypatch):
     assert linear.fastest_packing(w, 12) == answer and reorders == [12, ANY_ROWS, PANELS]
     reorders.clear()  # up to 8 rows the kernel's own panels are the one candidate (the libraries are behind there)
     assert linear.fastest_packing(w, 3) in (None, PANELS) and reorders == [PANELS]
+    reorders.clear()  # at 1 row none: the panels were no faster there
+    assert linear.fastest_packing(w, 1) is None and reorders == []
     # the slowest arm is never the answer: each candidate made slow in turn
     for slow in (None, 12, ANY_ROWS, PANELS):
         monkeypatch.setattr(linear, "_FASTEST", {})

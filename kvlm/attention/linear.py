@@ -55,6 +55,9 @@ from kvlm.kernels.library import packed_linear, register_packed
 
 ANY_ROWS = "any"  # pack_for_decode(ANY_ROWS): one layout for products of any number of rows (oneDNN)
 PANELS = "panels"  # pack_for_decode(PANELS): the few-row kernel's panels, 1 to MAX_ROWS rows, before the kernel
+# rows from which fastest_packing times the panels: at 1 row they streamed only 1.04-1.12x faster than the kernel on
+# the plain weight, and the decode step at batch 1 ran 0.95-1.0x with them (benchmarks/step_panels.py)
+PANEL_MIN_ROWS = 2
 
 
 def packing_available(rows: int | str) -> bool:
@@ -95,8 +98,8 @@ PACK_GAIN = 1.1  # fastest_packing names a packed layout only when it is at leas
 def fastest_packing(weight: torch.Tensor, rows: int, rounds: int = 5) -> int | str | None:
     """What to pack for so that products of ``rows`` rows by ``weight`` run fastest on this machine: ``rows``
     (MKL's layout for exactly that count), ``ANY_ROWS`` (oneDNN's blocked layout), ``PANELS`` (the few-row
-    kernel's, up to ``MAX_ROWS`` rows; the only candidate up to ``FEW_ROWS``, where the kernel on the plain weight
-    is ahead of the libraries) or None (no copy: the plain
+    kernel's, ``PANEL_MIN_ROWS`` to ``MAX_ROWS`` rows; the only candidate up to ``FEW_ROWS``, where the kernel on
+    the plain weight is ahead of the libraries) or None (no copy: the plain
     weight as ``Linear`` takes it unpacked, by the few-row kernel up to ``MAX_ROWS`` rows, by torch's product
     beyond; also where no library is available). The candidates this build and CPU have are timed on ``weight``
     (a decode step passes its LM head, the largest product) in ``rounds`` interleaved rounds, once per process for
@@ -111,8 +114,9 @@ def fastest_packing(weight: torch.Tensor, rows: int, rounds: int = 5) -> int | s
             w = weight.detach().contiguous()
             x = torch.randn(rows, w.shape[1], dtype=w.dtype)
             arms: dict = {None: lambda: _unpacked_product(x, w, None, count=False)}
-            for layout in (PANELS,) if rows <= FEW_ROWS and few_rows_available() else (rows, ANY_ROWS, PANELS):
-                if packing_available(layout) and _applies(layout, rows):
+            few = rows <= FEW_ROWS and few_rows_available()
+            for layout in (PANELS,) if few else (rows, ANY_ROWS, PANELS):
+                if packing_available(layout) and _applies(layout, rows) and (layout != PANELS or rows >= PANEL_MIN_ROWS):
                     packed = _reorder(w, layout)
                     arms[layout] = lambda packed=packed, layout=layout: _packed_product(
                         x, packed, w, None, layout, count=False

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from kvlm.attention.base import MODES
-from kvlm.attention.linear import ANY_ROWS, fastest_packing
+from kvlm.attention.linear import ANY_ROWS, PANEL_MIN_ROWS, fastest_packing
 from kvlm.cache import CacheError
 from kvlm.inference.sampling import StopTracker, check_sampling, sample
 from kvlm.kernels.few_rows import few_rows_available
@@ -62,8 +62,8 @@ def generate(
     model's dtype and device.
     pack_weights: decode with the weights in MKL's packed GEMM layout for this batch (``KVLM.pack_for_decode``;
     CPU float32 only; a second copy of the weights while it runs). None: in the layout ``packs_for`` names, where
-    it names one (where the few-row kernel's panels, MKL's or oneDNN's layout measured faster than the unpacked
-    product; from batch 4 without the kernel), with at least ``PACK_MIN_STEPS`` decode steps on CPU float32; and for the
+    it names one (from batch 2 where the few-row kernel's panels, MKL's or oneDNN's layout measured faster than
+    the unpacked product; from batch 4 without the kernel), with at least ``PACK_MIN_STEPS`` decode steps on CPU float32; and for the
     prefill of a long prompt (``prefill_packs``: from ``PACK_MIN_PREFILL_ROWS`` rows, where oneDNN's layout
     measured faster), repacked for the decode steps after it. Weights the caller packed beforehand are used and
     kept.
@@ -190,15 +190,15 @@ def _packed_already(model) -> bool:
 
 def packs_for(model, batch: int) -> int | str | None:
     """What decode steps of ``batch`` rows (sequences x new tokens) pack the weights for
-    (``KVLM.pack_for_decode``), or None where it does not gain: a kvlm model on CPU in float32, at any batch where
-    the few-row kernel (kvlm.kernels.few_rows) is, from 4 rows where it is missing (below 4 rows F.linear streams
-    the weights as fast, benchmarks/decode_limit.py "GEMMs alone"); the fastest of the unpacked product (the
-    kernel up to 16 rows, torch's beyond), the kernel's panels (up to 16 rows), MKL's layout for ``batch`` rows and
-    oneDNN's for any (up to 8 rows the panels alone, where the kernel is ahead of the libraries;
-    ``fastest_packing``, on the LM head: once per process and row count)."""
+    (``KVLM.pack_for_decode``), or None where it does not gain: a kvlm model on CPU in float32, from
+    ``PANEL_MIN_ROWS`` (2) rows where the few-row kernel (kvlm.kernels.few_rows) is, from 4 where it is missing
+    (below 4 rows F.linear streams the weights as fast, benchmarks/decode_limit.py "GEMMs alone"); the fastest of
+    the unpacked product (the kernel up to 16 rows, torch's beyond), the kernel's panels (up to 16 rows), MKL's
+    layout for ``batch`` rows and oneDNN's for any (up to 8 rows the panels alone, where the kernel is ahead of the
+    libraries; ``fastest_packing``, on the LM head: once per process and row count)."""
     if not _packable(model):
         return None
-    lowest = 1 if few_rows_available() else 4
+    lowest = PANEL_MIN_ROWS if few_rows_available() else 4
     return fastest_packing(model.lm_head.weight, batch) if batch >= lowest else None
 
 
