@@ -17,9 +17,9 @@ autograd:
     104 / 96 / 149 ms unpacked and 41 / 50 / 89 ms for MKL's layout packed for exactly that count.
   - ``pack_for_decode(PANELS)``: the few-row kernel's panels (``kvlm.kernels.few_rows.pack_panels``: 32 weight
     rows column by column, read as one sequential stream), which serve 1 to ``MAX_ROWS`` rows and go before the
-    plain-weight kernel: on this project's AMD EPYC 1.17-1.25x faster than it at 2-8 rows, 1.04-1.12x at 1,
-    1.06-1.13x faster than oneDNN's layout at 9-16 rows.
-  ``generate`` packs from batch 1 where the kernel is built (from 4 where it is missing) in whichever of the
+    plain-weight kernel: on this project's AMD EPYC 1.06-1.29x faster than it at 2-8 rows (level at 1), 1.14-1.17x
+    faster than oneDNN's layout at 12-16 rows (benchmarks/decode-limit.md).
+  ``generate`` packs from batch 2 where the kernel is built (from 4 where it is missing) in whichever of the
   layouts measured fastest on this machine, or not at all where the unpacked product did (``fastest_packing``).
 - Up to ``MAX_ROWS`` (16) rows that no packed copy serves, the few-row kernel again.
 - Unpacked, 4-16 rows run as W x^T, which MKL streams faster than x W^T (the 32000 x 768 LM head at batch 8:

@@ -63,10 +63,10 @@ def generate(
     pack_weights: decode with the weights in MKL's packed GEMM layout for this batch (``KVLM.pack_for_decode``;
     CPU float32 only; a second copy of the weights while it runs). None: in the layout ``packs_for`` names, where
     it names one (from batch 2 where the few-row kernel's panels, MKL's or oneDNN's layout measured faster than
-    the unpacked product; from batch 4 without the kernel), with at least ``PACK_MIN_STEPS`` decode steps on CPU float32; and for the
-    prefill of a long prompt (``prefill_packs``: from ``PACK_MIN_PREFILL_ROWS`` rows, where oneDNN's layout
-    measured faster), repacked for the decode steps after it. Weights the caller packed beforehand are used and
-    kept.
+    the unpacked product; from batch 4 without the kernel), with at least ``PACK_MIN_STEPS`` decode steps on CPU
+    float32; and for the prefill of a long prompt (``prefill_packs``: from ``PACK_MIN_PREFILL_ROWS`` rows, where
+    oneDNN's layout measured faster), repacked for the decode steps after it. Weights the caller packed beforehand
+    are used and kept.
     compile: run the decode steps through ``torch.compile`` (the prefill stays eager): kvlm's CPU kernels and
     packed products enter its graph as custom operators (``kvlm.kernels.library``), so a step loses most of its
     Python and dispatch time. Compiling takes seconds to a minute, once per model class and batch (the first

@@ -23,9 +23,9 @@ Xeon, and oneDNN's blocked layout in 10.1 on the AMD EPYC. There it runs where n
 
 ``pack_panels`` makes the decode-time copy in panels (``Linear.pack_for_decode(PANELS)``, csrc/few_rows_panels.h):
 32 weight rows column by column, read as one sequential stream by an outer product. On the AMD EPYC, the reference
-shape's 268 MB: 1.17-1.25x faster than the plain-weight kernel at 2-8 rows, 1.04-1.12x at 1, and 1.06-1.13x faster
-than oneDNN's layout at 9-16 rows (benchmarks/decode-limit.md); a second copy of the weights, so ``generate``
-takes it where it measured faster (``fastest_packing``).
+shape's 268 MB: 1.06-1.29x faster than the plain-weight kernel at 2-8 rows (level at 1), 1.14-1.17x faster than
+oneDNN's layout at 12-16 rows (benchmarks/decode-limit.md); a second copy of the weights, so ``generate`` takes it
+from 2 rows where it measured faster (``fastest_packing``).
 """
 
 from __future__ import annotations

@@ -7,8 +7,8 @@
 // 32 sums of a row come out whole (no shuffle tree, no partial sums carried), and x is read as one sequential
 // stream too (transposed, (K, M), 8 rows of a k in 32 bytes). The plain-weight kernel (few_rows.h) reads two
 // weight rows side by side over whole rows of x, which streams 1.2-1.3x below the plain read at 8 FMAs a line
-// (benchmarks/stream_shapes.py); on the reference shape's 268 MB this copy read 1.17-1.25x faster at 2-8 rows,
-// 1.04-1.12x at 1 and 1.06-1.13x faster than oneDNN's layout at 9-16 (benchmarks/decode-limit.md).
+// (benchmarks/stream_shapes.py); on the reference shape's 268 MB this copy read 1.06-1.29x faster at 2-8 rows,
+// level at 1, and 1.14-1.17x faster than oneDNN's layout at 12-16 (benchmarks/decode-limit.md).
 #pragma once
 
 #if KVLM_AVX512
