@@ -55,8 +55,9 @@ from kvlm.kernels.library import packed_linear, register_packed
 
 ANY_ROWS = "any"  # pack_for_decode(ANY_ROWS): one layout for products of any number of rows (oneDNN)
 PANELS = "panels"  # pack_for_decode(PANELS): the few-row kernel's panels, 1 to MAX_ROWS rows, before the kernel
-# rows from which fastest_packing times the panels: at 1 row they streamed only 1.04-1.12x faster than the kernel on
-# the plain weight, and the decode step at batch 1 ran 0.95-1.0x with them (benchmarks/step_panels.py)
+# rows from which fastest_packing times the panels: at 1 row they streamed level with the kernel on the plain weight
+# or up to 1.10x faster and the decode step at batch 1 ran 1.00-1.05x (benchmarks/step_panels.py), not worth a second
+# copy of the weights, and a near tie that flipped between processes
 PANEL_MIN_ROWS = 2
 
 

@@ -191,7 +191,8 @@ def _packed_already(model) -> bool:
 def packs_for(model, batch: int) -> int | str | None:
     """What decode steps of ``batch`` rows (sequences x new tokens) pack the weights for
     (``KVLM.pack_for_decode``), or None where it does not gain: a kvlm model on CPU in float32, from
-    ``PANEL_MIN_ROWS`` (2) rows where the few-row kernel (kvlm.kernels.few_rows) is, from 4 where it is missing
+    ``PANEL_MIN_ROWS`` (2) rows where the few-row kernel (kvlm.kernels.few_rows) is (at 1 row its panels were a
+    near tie with the plain weight), from 4 where it is missing
     (below 4 rows F.linear streams the weights as fast, benchmarks/decode_limit.py "GEMMs alone"); the fastest of
     the unpacked product (the kernel up to 16 rows, torch's beyond), the kernel's panels (up to 16 rows), MKL's
     layout for ``batch`` rows and oneDNN's for any (up to 8 rows the panels alone, where the kernel is ahead of the
