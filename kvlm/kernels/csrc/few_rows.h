@@ -25,12 +25,25 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 
 namespace kvlm_decode {
 namespace few_rows {
 
 constexpr int64_t kFarBytes = 32768, kNearBytes = 2048;  // into L2, into L1: from 4 rows on
+
+// f(std::integral_constant<int, RB>(), r) for row blocks [r, r + RB) covering M rows: RB = MAX as often as it
+// fits, then 4 (where MAX > 4), 2 and 1 once each at most, so that each block size is a compile-time constant.
+template <int MAX, typename F>
+inline void row_blocks(int64_t M, F&& f) {
+  int64_t r = 0;
+  for (; M - r >= MAX; r += MAX) f(std::integral_constant<int, MAX>(), r);
+  if constexpr (MAX > 4)
+    if (M - r >= 4) f(std::integral_constant<int, 4>(), r), r += 4;
+  if (M - r >= 2) f(std::integral_constant<int, 2>(), r), r += 2;
+  if (M - r >= 1) f(std::integral_constant<int, 1>(), r);
+}
 
 // y[r * ys + j] = x_r . w_j (+ bias[j]) for the RB rows x_r of x (stride K) and the nb <= 16 / RB weight rows
 // w_j of w (stride K); the block's missing weight rows repeat its last one (their sums are not stored).
@@ -97,18 +110,12 @@ inline void block(const float* x, const float* w, int64_t K, int nb, float* y, i
 // The 16 weight rows [n0, n1) of one weight against every row of x (M rows), by row blocks of 8, 4, 2, 1.
 inline void rows_block(const float* x, int64_t M, const float* w, int64_t K, int64_t n0, int64_t n1, float* y,
                        int64_t ys, const float* bias) {
-  int64_t r = 0;
-  auto run = [&](auto tag) {
+  row_blocks<8>(M, [&](auto tag, int64_t r) {
     constexpr int RB = decltype(tag)::value, NB = 16 / RB;
     for (int64_t n = n0; n < n1; n += NB)
       block<RB>(x + r * K, w + n * K, K, static_cast<int>(std::min<int64_t>(NB, n1 - n)), y + r * ys + n, ys,
                 bias ? bias + n : nullptr);
-    r += RB;
-  };
-  while (M - r >= 8) run(std::integral_constant<int, 8>());
-  if (M - r >= 4) run(std::integral_constant<int, 4>());
-  if (M - r >= 2) run(std::integral_constant<int, 2>());
-  if (M - r >= 1) run(std::integral_constant<int, 1>());
+  });
 }
 
 // x (..., K) against weights W_i (N_i, K) with biases b_i (N_i,) or none: (..., sum N_i), [x W_1^T + b_1, ...]
@@ -183,17 +190,12 @@ inline at::Tensor head_products(const at::Tensor& x, const at::Tensor& w) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t h = i / chunks, z0 = (i % chunks) * 4;
       for (int64_t k = 0; k < K; ++k) rows[k] = reinterpret_cast<const char*>(wp + (h * K + k) * N);
-      int64_t r = 0;
-      auto run = [&](auto tag) {
+      row_blocks<4>(M, [&](auto tag, int64_t r) {
         constexpr int RB = decltype(tag)::value;
         avx512::values_chunk<DType::f32, RB>(xp + h * sh + r * xs, xs, rows.data(), static_cast<int>(K), nv,
                                              static_cast<__mmask16>(0xFFFF), z0, yp + (r * H + h) * N, H * N,
                                              nullptr, pl, 0);
-        r += RB;
-      };
-      while (M - r >= 4) run(std::integral_constant<int, 4>());
-      if (M - r >= 2) run(std::integral_constant<int, 2>());
-      if (M - r >= 1) run(std::integral_constant<int, 1>());
+      });
     }
   });
   return y;

@@ -81,16 +81,10 @@ inline at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& p, int64_t
     for (int64_t i = p0; i < p1; ++i) {
       const int64_t n0 = i * kPanel;
       const int nb = static_cast<int>(std::min<int64_t>(kPanel, N - n0));
-      int64_t r = 0;
-      auto run = [&](auto tag) {
+      row_blocks<8>(M, [&](auto tag, int64_t r) {  // past 8 rows the panel again, from L2
         constexpr int RB = decltype(tag)::value;
         panel_rows<RB>(xp + r, M, pp + i * kPanel * K, K, nb, yp + r * N + n0, N, bp ? bp + n0 : nullptr);
-        r += RB;
-      };
-      while (M - r >= 8) run(std::integral_constant<int, 8>());  // more rows: the panel again, from L2
-      if (M - r >= 4) run(std::integral_constant<int, 4>());
-      if (M - r >= 2) run(std::integral_constant<int, 2>());
-      if (M - r >= 1) run(std::integral_constant<int, 1>());
+      });
     }
   });
   return y;
