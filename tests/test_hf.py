@@ -18,7 +18,7 @@ from kvlm import ModelConfig, build_model  # noqa: E402
 from kvlm.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from kvlm.inference.generation import generate  # noqa: E402
 from kvlm.interop.hf import export_hf  # noqa: E402
-from kvlm.interop.hf_modeling import KVLMCache  # noqa: E402
+from kvlm.interop.hf_modeling import CACHE_NAME, KVLMCache  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXTS = ["the cat sat on the mat and the dog sat on the log", "a small model with a small cache"] * 10
@@ -96,7 +96,7 @@ def test_hf_generate_equals_kvlm_generate_on_the_compact_cache(tmp_path, tokeniz
     ref = generate(model, [tokenizer.encode(p) for p in prompts], 12, stop_tokens=[eos])
     assert new == ref
     assert len({t for seq in ref for t in seq}) > 3  # not a degenerate repeat of one token
-    cache = out.past_key_values
+    cache = getattr(out, CACHE_NAME)  # `cache` since transformers 5.24, `past_key_values` before
     assert isinstance(cache, KVLMCache) and cache.kv.mode == "compact"
     spec = model.cfg.cache_spec(0)
     assert set(cache.kv.layers[0]) == set(spec)  # e.g. c_kv + k_rope for MLA, never per-head K/V

@@ -3,7 +3,6 @@ block views once per call from host values they already hold (``BlockView.keys``
 cache's ``StepSlots``, the paged cache's index), so no layer reads a tensor back; and a value built for one call
 is never served to another (another end, another padding, other sequences)."""
 
-
 import pytest
 import torch
 from conftest import require_kernels, tiny_config
@@ -37,14 +36,14 @@ def test_contiguous_views_are_shared_by_layers_and_rebuilt_each_call():
         == (a.start.tolist(), a.end.tolist(), a.keys, a.longest)
     )
     cache.commit(step)
-    # the padding rewritten in place between calls (as a beam reorder does): the next call must see it
-    cache.pad.copy_(torch.tensor([1, 0, 3]))
+    # the padding rewritten in place between calls (a beam reorder): the next call must see it
+    cache.reorder_(torch.tensor([2, 0, 1]))
     step2 = cache.begin_step(torch.zeros(3, 1, dtype=torch.long), torch.float32)
     c = cache.layers[1].block_view("k", step2)
     assert c.start is not a.start and c.end is not a.end
     assert (
         _from_tensors(c)
-        == ([1, 0, 3], [5, 5, 5], 15 - 4, 5)
+        == ([5, 0, 2], [5, 5, 5], 15 - 7, 5)
         == (c.start.tolist(), c.end.tolist(), c.keys, c.longest)
     )
     cache.commit(step2)
@@ -203,3 +202,46 @@ def test_kernel_flop_count_uses_the_views_keys():
         model(torch.randint(0, 97, (3, 1)), cache=cache, mode="absorbed")
     visible = (7 - 0) + (7 - 3) + (7 - 1)
     assert kernels.FLOPS["attention"] - before == cfg.n_layer * 2 * cfg.n_head * visible * (2 * 16 + 8)
+
+
+@pytest.mark.parametrize("attention", ["gqa", "mla"])
+def test_contiguous_decode_step_reads_no_tensor_to_the_host(attention, monkeypatch):
+    """A decode step on the contiguous cache takes the padding from the host copy the cache keeps
+    (``host_pad``), so on a GPU it waits for nothing and can be captured in a CUDA graph; the copy follows
+    every change of the padding (``set_left_padding``, ``reorder_``, ``reset``), and the step's logits stay
+    those of the full forward."""
+    torch.manual_seed(0)
+    cfg = {"gqa": dict(n_kv_head=2), "mla": dict(kv_lora_rank=16, rope_head_dim=8)}[attention]
+    model = build_model(tiny_config(attention, n_layer=2, **cfg)).eval().prepare_for_inference()
+    tokens = torch.randint(0, 97, (3, 7))
+    pad = [0, 3, 1]
+    cache = model.new_cache(3, 16)
+    cache.set_left_padding(pad)
+    assert cache.host_pad == pad
+    reads = []
+
+    def no_read(t, *a, **k):
+        reads.append(t.shape)
+        raise AssertionError("a decode step read a tensor back to the host")
+
+    with torch.inference_mode():
+        model(tokens[:, :6], cache=cache)
+        with monkeypatch.context() as m:
+            # the token-id check reads the ids back on CPU only (on a GPU a one-token step skips it)
+            m.setattr(model, "_check_token_ids", lambda tokens, cache: None)
+            for name in ("tolist", "item", "__bool__", "__int__"):
+                m.setattr(torch.Tensor, name, no_read)
+            step = model(tokens[:, 6:], cache=cache)[:, -1]
+        cache.reorder_(torch.tensor([2, 0, 1]))
+        assert cache.host_pad == [1, 0, 3] == cache.pad.tolist()
+        cache.reset()
+        assert cache.host_pad == [0, 0, 0]
+    assert not reads
+    full = model_logits_left_padded(model, tokens, pad)
+    torch.testing.assert_close(step, full, rtol=1e-4, atol=1e-4)
+
+
+def model_logits_left_padded(model, tokens, pad) -> torch.Tensor:
+    """The last position's logits of each sequence without its left padding, by a plain forward."""
+    with torch.inference_mode():
+        return torch.stack([model(tokens[b : b + 1, p:])[0, -1] for b, p in enumerate(pad)])

@@ -82,6 +82,13 @@ class Peer:
     def attn_implementation(self) -> str:
         return str(self.model.config._attn_implementation)
 
+    @property
+    def cache_arg(self) -> str:
+        """The forward argument that takes the cache: ``cache`` since transformers 5.24, ``past_key_values`` before."""
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        return "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
     def new_cache(self):
         from transformers import DynamicCache
 
@@ -91,7 +98,7 @@ class Peer:
     def forward(self, tokens: torch.Tensor, cache, last_only: bool = False) -> torch.Tensor:
         """Append tokens (B, T) to cache (prefill or decode); logits (B, T or 1, vocab)."""
         out = self.model(
-            input_ids=tokens, past_key_values=cache, use_cache=True, logits_to_keep=int(last_only)
+            input_ids=tokens, use_cache=True, logits_to_keep=int(last_only), **{self.cache_arg: cache}
         )
         return out.logits
 

@@ -55,6 +55,10 @@ class KVCache:
         )
         self.length = 0  # slots filled (shared by the batch)
         self.pad = torch.zeros(batch_size, dtype=torch.long, device=self.device)
+        # the padding's values on the host, kept beside ``pad`` by the methods that change it (set_left_padding,
+        # reorder_, reset; never write ``pad`` directly): a step reads these, not the tensor, so a decode step on
+        # a GPU waits for nothing and can be captured in a CUDA graph
+        self.host_pad: list[int] = [0] * batch_size
         # per step, the block views' start / end and their host totals, built once for all layers
         self.slots = StepSlots(batch_size, self.device, self.pad)
         self.layers: list[ContiguousLayer] = [
@@ -116,7 +120,7 @@ class KVCache:
         # and the layers' block views take their key counts from it (``StepSlots``), not one read-back each.
         # Traced, nothing is read back (it would break the graph and leave the step's end a constant of the graph
         # after it: a recompile every step); the masks then allow for padding, and the kernels count keys.
-        pads = None if torch.compiler.is_compiling() else self.pad.tolist()
+        pads = None if torch.compiler.is_compiling() else self.host_pad
         step = Step.build(tokens, self.length, self.pad, mode, trace, padded=pads is None or any(pads))
         self.slots.begin(step, pads)
         step.cached_token_ids = self.append_token_ids(tokens, step)
@@ -148,6 +152,7 @@ class KVCache:
     def reset(self) -> None:
         self.length = 0
         self.pad.zero_()
+        self.host_pad = [0] * self.batch_size
 
     def set_left_padding(self, pad: torch.Tensor | list[int]) -> None:
         """Declare how many leading slots of each sequence are padding; call before the first prefill."""
@@ -159,6 +164,18 @@ class KVCache:
         if bool((pad < 0).any()) or bool((pad >= self.max_seq_len).any()):
             raise CacheError(f"pad values must be in [0, max_seq_len={self.max_seq_len}), got {pad.tolist()}")
         self.pad.copy_(pad)
+        self.host_pad = pad.tolist()
+
+    def reorder_(self, index: torch.Tensor) -> None:
+        """Sequence b continues sequence ``index[b]`` (beam search): its cached tensors, padding and token ids."""
+        index = index.to(self.device)
+        for layer in self.layers:
+            for buf in layer.values():
+                buf.copy_(buf.index_select(0, index))
+        self.pad.copy_(self.pad.index_select(0, index))
+        self.host_pad = self.pad.tolist()
+        if self.token_ids is not None:
+            self.token_ids.copy_(self.token_ids.index_select(0, index))
 
     def check_append(self, batch_size: int, n_new: int, dtype: torch.dtype, device: torch.device) -> None:
         if batch_size != self.batch_size:

@@ -19,7 +19,7 @@ class KVLMConfig(PreTrainedConfig):
     transformers names (hidden_size, num_hidden_layers, ...) mirror it for tools that read them."""
 
     model_type = "kvlm"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]  # the name before and since transformers 5.24
 
     def __init__(self, kvlm_config: dict | None = None, **kwargs):
         cfg = ModelConfig.from_dict(dict(kvlm_config)) if kvlm_config else ModelConfig()

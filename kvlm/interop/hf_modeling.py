@@ -34,6 +34,10 @@ from kvlm.cache import CacheError, KVCache
 from kvlm.interop.hf_config import KVLMConfig
 from kvlm.model import KVLM
 
+# transformers 5.24 renamed generate's cache argument and the output field ``past_key_values`` to ``cache``
+# (the old name deprecated): kvlm hands generate its cache, and returns it, under the name this version reads
+CACHE_NAME = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
 
 class KVLMCache:
     """kvlm's compact ``KVCache`` behind the few calls transformers' ``generate`` makes on a cache.
@@ -43,6 +47,9 @@ class KVLMCache:
 
     is_compileable = False
     is_croppable = False
+    is_linear = (
+        False,
+    )  # no recurrent (linear-attention) layers: generate may slice a prompt by the cached length
 
     def __init__(self, max_length: int | None = None):
         self.max_length = max_length
@@ -62,13 +69,7 @@ class KVLMCache:
         """Beam search: sequence b continues beam ``beam_idx[b]``."""
         if self.kv is None:
             return
-        idx = beam_idx.to(self.kv.device)
-        for layer in self.kv.layers:
-            for buf in layer.values():
-                buf.copy_(buf.index_select(0, idx))
-        self.kv.pad.copy_(self.kv.pad.index_select(0, idx))
-        if self.kv.token_ids is not None:
-            self.kv.token_ids.copy_(self.kv.token_ids.index_select(0, idx))
+        self.kv.reorder_(beam_idx)
 
     def __repr__(self) -> str:
         return f"KVLMCache({self.kv!r})"
@@ -190,7 +191,7 @@ class KVLMForCausalLM(PreTrainedModel, GenerationMixin):
     # --- generation -----------------------------------------------------------------------------
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         """Give generate() a KVLMCache (the compact cache), never a transformers DynamicCache."""
-        user_cache = model_kwargs.get("past_key_values")
+        user_cache = model_kwargs.get("cache", model_kwargs.get("past_key_values"))
         if user_cache is not None:
             if not isinstance(user_cache, KVLMCache):
                 raise ValueError(
@@ -205,7 +206,7 @@ class KVLMForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError(
                 f"kvlm models use their own compact cache; cache_implementation={impl!r} is not supported"
             )
-        model_kwargs["past_key_values"] = KVLMCache(max_length=generation_config.max_length)
+        model_kwargs[CACHE_NAME] = KVLMCache(max_length=generation_config.max_length)
 
     @classmethod
     def _supports_default_dynamic_cache(cls) -> bool:  # generate() asks: no DynamicCache for kvlm
@@ -222,6 +223,7 @@ class KVLMForCausalLM(PreTrainedModel, GenerationMixin):
         use_cache: bool | None = None,
         return_dict: bool | None = None,
         logits_to_keep: int = 0,
+        cache: KVLMCache | None = None,
         **kwargs,
     ):
         if inputs_embeds is not None or input_ids is None:
@@ -229,7 +231,8 @@ class KVLMForCausalLM(PreTrainedModel, GenerationMixin):
         for name in ("output_attentions", "output_hidden_states"):
             if kwargs.get(name):
                 raise ValueError(f"{name}=True is not supported by kvlm models")
-        cache = past_key_values
+        if cache is None:  # the argument's name before transformers 5.24
+            cache = past_key_values
         if cache is None and use_cache is True:
             cache = KVLMCache()
         if cache is not None and not isinstance(cache, KVLMCache):
@@ -275,7 +278,7 @@ class KVLMForCausalLM(PreTrainedModel, GenerationMixin):
         if return_dict is False:
             out = (logits, cache)
             return (loss, *out) if loss is not None else out
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=cache)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_NAME: cache})
 
 
 __all__ = ["KVLMCache", "KVLMConfig", "KVLMForCausalLM"]
