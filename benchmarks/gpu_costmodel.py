@@ -39,7 +39,7 @@ SHAPES = {
     # a ~1B model (16 layers, d 2048, 16 heads of 128): DeepSeek-V2's latent 512 + 64
     "1b": (
         dict(n_layer=16, d_model=2048, n_head=16, vocab_size=32000),
-        ["mha", "gqa:n_kv_head=4", "mla:kv_lora_rank=512:rope_head_dim=64"],
+        ["mla:kv_lora_rank=512:rope_head_dim=64", "gqa:n_kv_head=4", "mha"],
     ),
 }
 CELLS = [(1, 8192), (8, 4096), (32, 8192), (64, 16384)]
@@ -93,6 +93,10 @@ def measure_gpu(device: torch.device, dtype: torch.dtype) -> dict:
     return {"bandwidth_gbs": 2 * n * 4 / copy_ms / 1e6, "matmul_gflops": 2 * m**3 / mm_ms / 1e6}
 
 
+class CaptureFailed(RuntimeError):
+    """The decode step could not be captured in a CUDA graph (the run stops there and writes what it has)."""
+
+
 class StepTimer:
     """One decode step of ``model`` over a cache holding ``context`` tokens, the same step replayed (it writes
     the same slot each time): captured in a CUDA graph on a GPU, eager on CPU (or when capture fails)."""
@@ -121,38 +125,17 @@ class StepTimer:
             try:
                 with torch.cuda.graph(graph):
                     self.out = step()
-                self.call, self.how = graph.replay, "cuda graph"
-            except Exception as e:  # noqa: BLE001 - recorded, and timed eagerly instead
-                self.how = f"eager ({type(e).__name__}: {str(e)[:120]})"
+            except Exception as e:  # a failed capture leaves CUDA unusable in this process: stop the run
+                raise CaptureFailed(f"{type(e).__name__}: {e}") from e
+            self.call, self.how = graph.replay, "cuda graph"
             self.cache.length = context
 
     def ms(self) -> float:
         return timed(self.call, self.cache.device)
 
 
-def spec_for(gpu_name: str | None) -> Hardware | None:
-    """The ``HARDWARE`` entry of the GPU ``torch.cuda.get_device_name`` names, if there is one."""
-    if not gpu_name:
-        return None
-    name = gpu_name.lower()
-    for key in ("h200", "h100", "a100", "l4", "4090", "mi300x"):
-        if key in name:
-            key = ALIASES.get(key, key)
-            if key == "h100" and "pcie" in name:
-                key = "h100-pcie"
-            return HARDWARE[key]
-    return None
-
-
-def run(quick: bool) -> dict:
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    dname = "bf16" if dtype == torch.bfloat16 else "fp32"
-    torch.manual_seed(0)
-    info = machine_info(device)
-    hw_before = measure_gpu(device, dtype)
-    shapes, cells = (QUICK, QUICK_CELLS) if quick else (SHAPES, CELLS)
-    rows = []
+def measure_cells(shapes: dict, cells: list, device: torch.device, dtype: torch.dtype, rows: list) -> None:
+    """Appends a row per (shape, variant, route, cell): the step at its context and at one cached token."""
     for shape_name, (shape, variants) in shapes.items():
         for spec in variants:
             _, cfg = parse_variant(spec, shape)
@@ -186,7 +169,40 @@ def run(quick: bool) -> dict:
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
             del model
-    hw_after = measure_gpu(device, dtype)
+
+
+def spec_for(gpu_name: str | None) -> Hardware | None:
+    """The ``HARDWARE`` entry of the GPU ``torch.cuda.get_device_name`` names, if there is one."""
+    if not gpu_name:
+        return None
+    name = gpu_name.lower()
+    for key in ("h200", "h100", "a100", "l4", "4090", "mi300x"):
+        if key in name:
+            key = ALIASES.get(key, key)
+            if key == "h100" and "pcie" in name:
+                key = "h100-pcie"
+            return HARDWARE[key]
+    return None
+
+
+def run(quick: bool, only: list[str] | None = None) -> dict:
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dname = "bf16" if dtype == torch.bfloat16 else "fp32"
+    torch.manual_seed(0)
+    info = machine_info(device)
+    hw_before = measure_gpu(device, dtype)
+    shapes, cells = (QUICK, QUICK_CELLS) if quick else (SHAPES, CELLS)
+    if only:
+        shapes = {k: v for k, v in shapes.items() if k in only}
+    rows = []
+    try:
+        measure_cells(shapes, cells, device, dtype, rows)
+    except CaptureFailed as e:
+        print(f"stopped: {e}", flush=True)
+        rows.append({"stopped": str(e)[:2000]})
+    rows, stopped = [r for r in rows if "stopped" not in r], [r["stopped"] for r in rows if "stopped" in r]
+    hw_after = hw_before if stopped else measure_gpu(device, dtype)  # CUDA is unusable after a failed capture
     hw = {k: max(hw_before[k], hw_after[k]) for k in hw_before}
     measured = Hardware(
         f"{info.get('gpu') or 'cpu'} (measured)", hw["bandwidth_gbs"] * 1e9, hw["matmul_gflops"] * 1e9,
@@ -222,6 +238,7 @@ def run(quick: bool) -> dict:
         "measured": measured.__dict__,
         "spec": spec_hw.__dict__ if spec_hw else None,
         "rows": rows,
+        "stopped": stopped,
         "order": orders(rows),
     }
 
@@ -280,6 +297,8 @@ def markdown(res: dict) -> str:
             f"{r['ms_one_token']:.4f} | {r['x_floor_one_token']:.2f} | {r['attention_ms']:.4f} | "
             f"{r['attention_floor_ms']:.4f} | {ax} | {r['attention_bound']} ({fpb:.0f}) |"
         )
+    for why in res["stopped"]:
+        lines += ["", f"Stopped early, the step not captured: {why}"]
     lines += ["", "| shape | batch | context | order by projected floor | order by measured step | agree |",
               "|---|--:|--:|---|---|---|"]  # fmt: skip
     for o in res["order"]:
@@ -294,12 +313,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--quick", action="store_true", help="a toy shape and small cells (checks the script)")
+    ap.add_argument("--shapes", default="", help=f"comma-separated, of {', '.join(SHAPES)} (default: all)")
     args = ap.parse_args()
-    res = run(args.quick)
+    only = [s for s in args.shapes.split(",") if s]
+    res = run(args.quick, only)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu-costmodel.json").write_text(json.dumps(res, indent=1, default=str))
+    stem = "gpu-costmodel" + "".join(f"-{s}" for s in only)
+    (args.out / f"{stem}.json").write_text(json.dumps(res, indent=1, default=str))
     table = markdown(res)
-    (args.out / "gpu-costmodel.md").write_text(table)
+    (args.out / f"{stem}.md").write_text(table)
     print(table)
 
 

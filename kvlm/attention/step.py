@@ -105,10 +105,10 @@ class Step:
         causal = key[None, :] <= slots[:, None]  # (T, end)
         valid = key[None, :] >= pad[:, None]  # (B, end)
         mask = causal[None] & valid[:, None, :]  # (B, T, end)
-        # a padding query would attend to nothing (NaN); let it see itself, its output is discarded
-        own = torch.zeros_like(mask)
-        own[:, torch.arange(T, device=device), slots] = True
-        mask = (mask | (own & ~valid[:, None, :]))[:, None]
+        # a padding query would attend to nothing (NaN); let it see itself, its output is discarded. (By
+        # comparison, not an indexed write of True: that copies a host scalar, which a CUDA graph cannot capture.)
+        own = key[None, :] == slots[:, None]  # (T, end)
+        mask = (mask | (own[None] & ~valid[:, None, :]))[:, None]
         return Step(positions, start, end, mask, False, token_ids, mode, trace=trace)
 
     @staticmethod
