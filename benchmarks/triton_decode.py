@@ -136,11 +136,12 @@ def copies(shape, cache, contiguous, l2_bytes):
 
 # launch configs tried by --sweep: (block_m, block_n, num_warps, num_stages); block_m above the rows is skipped
 SWEEP = [(64, 32, 8, 2), (64, 64, 8, 2), (64, 64, 8, 3), (64, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2),
-         (16, 32, 4, 2), (16, 64, 4, 2), (16, 64, 4, 3), (16, 128, 4, 2), (16, 64, 8, 2)]  # fmt: skip
+         (16, 32, 4, 2), (16, 64, 4, 2), (16, 64, 4, 3), (16, 128, 4, 2), (16, 64, 8, 2),
+         (16, 32, 4, 3), (16, 32, 4, 4), (16, 64, 4, 4), (16, 32, 8, 3), (16, 16, 4, 4), (16, 128, 8, 3)]  # fmt: skip
+SWEEP_SHAPES = [(8, 128, 1, 512, 64, 4096), (8, 16, 1, 512, 64, 4096)]  # (B, H, T, D_c, d_R, S)
 
 
-def sweep(out_rows, budget_end, l2_bytes):
-    shapes = [(8, 128, 1, 512, 64, 4096), (8, 16, 1, 512, 64, 4096)]
+def sweep(out_rows, budget_end, l2_bytes, shapes=SWEEP_SHAPES):
     sm = torch.cuda.get_device_properties(0).multi_processor_count
     for shape in shapes:
         B, H, T, D, DR, S = shape
@@ -148,7 +149,7 @@ def sweep(out_rows, budget_end, l2_bytes):
         base = default_config(H * T, D, DR, 2)
         n = choose_splits(B, triton.cdiv(H * T, base.block_m), S, base.block_n, sm)
         cfgs = [base] + [Config(*c) for c in SWEEP if Config(*c) != base]
-        cfgs += [replace(base, num_splits=max(1, int(n * m))) for m in (0.5, 2, 4)]
+        cfgs += [replace(base, num_splits=max(1, int(n * m))) for m in (0.5, 2, 4, 8)]
         for cfg in cfgs:
             if cfg.block_m > max(16, triton.next_power_of_2(H * T)) or time.time() > budget_end:
                 continue
@@ -160,6 +161,9 @@ def sweep(out_rows, budget_end, l2_bytes):
             out_rows.append(
                 dict(shape=list(shape), config=cfg.__dict__, default=cfg == base, splits=n, ms=ms)
             )
+            if ms is not None:
+                gbs = cost(*shape, "bf16")[0] / ms / 1e6
+                print(f"sweep {shape} {cfg} splits {n}: {ms:.4f} ms, {gbs:.0f} GB/s", flush=True)
         del kws
         torch.cuda.empty_cache()
 
@@ -188,7 +192,10 @@ def main():
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--budget-s", type=float, default=150)
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--sweep-shapes", default="", help="B,H,T,D_c,d_R,S;... (default: the two of SWEEP_SHAPES)")
+    ap.add_argument("--sweep-only", action="store_true", help="the sweep alone, over the whole budget")
     args = ap.parse_args()
+    sweep_shapes = [tuple(int(x) for x in s.split(",")) for s in args.sweep_shapes.split(";") if s]
     t0 = time.time()
     args.out.mkdir(parents=True, exist_ok=True)
     props = torch.cuda.get_device_properties(0)
@@ -200,8 +207,12 @@ def main():
         sweep=[],
     )  # fmt: skip
     print(f"{props.name}: copy bandwidth {bw / 1e12:.2f} TB/s (read + write)", flush=True)
-    if args.sweep:
-        sweep(result["sweep"], t0 + args.budget_s * 0.2, l2)
+    if args.sweep or args.sweep_only:
+        share = 1.0 if args.sweep_only else 0.2
+        sweep(result["sweep"], t0 + args.budget_s * share, l2, sweep_shapes or SWEEP_SHAPES)
+    if args.sweep_only:
+        (args.out / "triton_sweep.json").write_text(json.dumps(result, indent=1))
+        return
     # most telling first, so that a spent budget drops the least: bf16 grid, extras, then int8
     grid = [(B, H, 1, D, DR, S) for D, DR in ((512, 64), (256, 32)) for H in (128, 16) for B in (1, 8, 64)
             for S in (1024, 4096, 32768)]  # fmt: skip
