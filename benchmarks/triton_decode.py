@@ -147,9 +147,12 @@ def sweep(out_rows, budget_end, l2_bytes, shapes=SWEEP_SHAPES):
         B, H, T, D, DR, S = shape
         kws = copies(shape, "bf16", False, l2_bytes)
         base = default_config(H * T, D, DR, 2)
-        n = choose_splits(B, triton.cdiv(H * T, base.block_m), S, base.block_n, sm)
+        n = choose_splits(B, triton.cdiv(H * T, base.block_m), S, base.block_n, sm, base.block_m)
         cfgs = [base] + [Config(*c) for c in SWEEP if Config(*c) != base]
-        cfgs += [replace(base, num_splits=max(1, int(n * m))) for m in (0.5, 2, 4, 8)]
+        cfgs += [replace(base, num_splits=max(1, int(n * m))) for m in (0.5, 2)]
+        # the rule before the sweep of 2026-11-28 (2 programs per SM, 2 tiles per split), for comparison
+        old = choose_splits(B, triton.cdiv(H * T, base.block_m), S, base.block_n, sm, per_sm=2, min_tiles=2)
+        cfgs += [replace(base, num_splits=old)] if old != n else []
         for cfg in cfgs:
             if cfg.block_m > max(16, triton.next_power_of_2(H * T)) or time.time() > budget_end:
                 continue

@@ -240,14 +240,17 @@ def test_bad_input_names_the_problem():
 
 
 def test_split_choice_fills_the_gpu_and_keeps_splits_long():
-    # 132 SMs: one program per sequence at batch 1, so split until ~2 programs per SM (264) ...
+    # 132 SMs, programs of 16 query rows: split until ~8 programs per SM (1056) are in flight ...
     assert choose_splits(1, 1, 1 << 20, 64, 132) == 256  # capped
-    assert choose_splits(1, 2, 32768, 64, 132) == 132
-    # ... but never below two tiles (128 keys) per split, and no split once the batch fills the GPU
-    assert choose_splits(1, 1, 1024, 64, 132) == 8
-    assert choose_splits(64, 2, 32768, 64, 132) == 3
-    assert choose_splits(256, 1, 32768, 64, 132) == 2
-    assert choose_splits(512, 1, 32768, 64, 132) == 1
+    assert choose_splits(8, 1, 1 << 20, 64, 132) == 132
+    assert choose_splits(512, 1, 1 << 20, 64, 132) == 3
+    # ... programs of 64 rows (4x the work per key): ~1 per SM
+    assert choose_splits(8, 2, 1 << 20, 64, 132, block_m=64) == 9
+    assert choose_splits(132, 1, 1 << 20, 64, 132, block_m=64) == 1
+    # ... but never below four tiles (256 keys) per split, and no split once the batch fills the GPU
+    assert choose_splits(1, 1, 1024, 64, 132) == 4
+    assert choose_splits(1, 1, 100, 64, 132) == 1
+    assert choose_splits(2048, 1, 32768, 64, 132) == 1
 
 
 GPU_SHAPES = [

@@ -93,13 +93,30 @@ def _shrink(cfg: Config) -> Config | None:
     return None
 
 
-def choose_splits(batch: int, row_blocks: int, max_keys: int, block_n: int, n_sm: int) -> int:
-    """Split the key axis until about two programs per SM are in flight (a memory-bound kernel needs many loads
-    in flight), but give each split at least two key tiles: each split writes a (rows, D_c) fp32 partial that the
-    merge reads back, which must stay small next to the latents it summarises."""
+def choose_splits(
+    batch: int,
+    row_blocks: int,
+    max_keys: int,
+    block_n: int,
+    n_sm: int,
+    block_m: int = 16,
+    per_sm: int | None = None,
+    min_tiles: int = 4,
+) -> int:
+    """Split the key axis until about ``per_sm`` programs per SM are in flight (a memory-bound kernel needs many
+    loads in flight), but give each split at least ``min_tiles`` key tiles: each split writes a (rows, D_c) fp32
+    partial that the merge reads back, which must stay small next to the latents it summarises.
+
+    ``per_sm`` by default 8 for programs of up to 16 query rows, 2 up to 32, 1 for 64 (a 64-row program does 4x
+    the work per key: fewer in flight, fewer partials). From a sweep on an H200 (benchmarks/triton.md), against
+    the earlier rule (2 per SM, 2 tiles): 16 heads of 512 + 64 at batch 64 / 16K keys 1.46x faster (17 splits,
+    not 5), batch 1 / 8K 1.27x (64, not 128); 128 heads at batch 8 / 4K about 1.2x (8 splits, not 17) and batch
+    1 / 32K about 1.5x (64, not 132); batch 8 / 4K at 16 heads unchanged. The 32-row value is interpolated."""
+    if per_sm is None:
+        per_sm = 8 if block_m <= 16 else 2 if block_m <= 32 else 1
     programs = batch * row_blocks
-    want = max(1, (2 * n_sm + programs - 1) // programs)
-    most = max(1, max_keys // (2 * block_n))
+    want = max(1, (per_sm * n_sm + programs - 1) // programs)
+    most = max(1, max_keys // (min_tiles * block_n))
     return int(min(want, most, 256))
 
 
@@ -331,7 +348,7 @@ def latent_decode_paged(
         # the largest context bounds the splits; a host-side bound avoids a device sync on `end - start`
         n_sm = torch.cuda.get_device_properties(q_lat.device).multi_processor_count if q_lat.is_cuda else 8
         max_keys = block_table.shape[1] * page_size
-        splits = choose_splits(B, row_blocks, max_keys, cfg.block_n, n_sm)
+        splits = choose_splits(B, row_blocks, max_keys, cfg.block_n, n_sm, cfg.block_m)
     out = torch.empty(B, H, T, D, dtype=q_lat.dtype, device=q_lat.device)
     dummy = torch.empty(1, dtype=torch.float32, device=q_lat.device)
     qr = q_rope if DR else dummy
