@@ -58,7 +58,7 @@ def build_baseline(rev: str, defines: tuple[str, ...] = ()):
 
     digest.update(" ".join(defines).encode())
     return load(name=f"kvlm_decode_base_{digest.hexdigest()[:10]}", sources=[str(out / "decode.cpp")],
-                extra_cflags=cpu.CFLAGS + [f"-D{d}" for d in defines], extra_ldflags=["-fopenmp"],
+                extra_cflags=cpu.build_flags() + [f"-D{d}" for d in defines], extra_ldflags=["-fopenmp"],
                 verbose=False)  # fmt: skip
 
 

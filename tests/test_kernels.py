@@ -315,6 +315,25 @@ def test_build_failure_falls_back(monkeypatch):
     assert sum(kernels.CALLS.values()) == before
 
 
+def test_prefetch_target_follows_the_l1_size(monkeypatch, tmp_path):
+    """The kernels prefetch into L2 where L1d is under 48 KiB (a Zen 4's 32 KiB), into L1 where it is larger (a
+    Zen 5's 48 KiB) or unknown; the build's module name changes with the flags, so the two never share a build."""
+    hint = "-DKVLM_PF_HINT=_MM_HINT_T1"
+    real = kcpu.Path
+    for size, l2 in (("32K", True), ("48K", False), ("1M", False)):
+        cache = tmp_path / size / "index0"
+        cache.mkdir(parents=True)
+        for name, text in (("level", "1"), ("type", "Data"), ("size", size)):
+            (cache / name).write_text(text + "\n")
+        monkeypatch.setattr(
+            kcpu, "Path", lambda p, d=cache.parent, real=real: d if "cpu0/cache" in str(p) else real(p)
+        )
+        assert (hint in kcpu.build_flags()) is l2, size
+        assert kcpu.build_flags()[: len(kcpu.CFLAGS)] == kcpu.CFLAGS
+    monkeypatch.setattr(kcpu, "l1d_bytes", lambda: None)
+    assert kcpu.build_flags() == kcpu.CFLAGS
+
+
 @pytest.mark.parametrize("attention,extra", [("mla", dict(kv_lora_rank=48, rope_head_dim=8)), ("gqa", {})])
 def test_flop_count_sees_the_kernels(attention, extra, monkeypatch):
     """kvlm bench's FLOP count (torch's counter, blind to the extension) includes the kernels' FLOPs: a decode

@@ -21,8 +21,8 @@
 
 #include <immintrin.h>
 
-#ifndef KVLM_PF_HINT  // software prefetches into L1 (measured on the AMD EPYC: MLA 1.05-1.12x, MHA 1.02-1.04x
-                      // faster than into L2 with _MM_HINT_T1; _MM_HINT_NTA between the two)
+#ifndef KVLM_PF_HINT  // software prefetches into L1, or L2 (_MM_HINT_T1) where kvlm/kernels/cpu.py's build_flags
+                      // finds an L1d under 48 KiB: the measurements are there
 #define KVLM_PF_HINT _MM_HINT_T0
 #endif
 
