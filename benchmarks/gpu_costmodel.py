@@ -28,6 +28,7 @@ from kvlm.bench.costmodel import ALIASES, HARDWARE, Hardware, project_decode
 from kvlm.bench.hardware import machine_info
 from kvlm.bench.plan import parse_variant
 from kvlm.bench.suites import REFERENCE_SHAPE
+from kvlm.config import spec_numel
 from kvlm.model import build_model
 
 SHAPES = {
@@ -145,7 +146,7 @@ def measure_cells(shapes: dict, cells: list, device: torch.device, dtype: torch.
             for mode in modes:
                 for batch, context in cells:
                     naive = mode == "naive"
-                    per_token = sum(s.numel() for s in _spec_sizes(model, naive)) * dtype.itemsize
+                    per_token = sum(spec_numel(s) for s in model.cache_specs(naive=naive)) * dtype.itemsize
                     gb = per_token * batch * (context + 1) / 1e9
                     row = dict(
                         shape=shape_name, variant=spec, mode=mode, batch=batch, context=context, cache_gb=gb
@@ -241,13 +242,6 @@ def run(quick: bool, only: list[str] | None = None) -> dict:
         "stopped": stopped,
         "order": orders(rows),
     }
-
-
-def _spec_sizes(model, naive: bool):
-    """One empty tensor per cached tensor shape per token (its numel is the elements a token caches)."""
-    for spec in model.cache_specs(naive=naive):
-        for shape in spec.values():
-            yield torch.empty(shape, device="meta")
 
 
 def orders(rows: list[dict]) -> list[dict]:

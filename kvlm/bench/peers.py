@@ -82,13 +82,6 @@ class Peer:
     def attn_implementation(self) -> str:
         return str(self.model.config._attn_implementation)
 
-    @property
-    def cache_arg(self) -> str:
-        """The forward argument that takes the cache: ``cache`` since transformers 5.24, ``past_key_values`` before."""
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-
-        return "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
-
     def new_cache(self):
         from transformers import DynamicCache
 
@@ -97,8 +90,10 @@ class Peer:
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache, last_only: bool = False) -> torch.Tensor:
         """Append tokens (B, T) to cache (prefill or decode); logits (B, T or 1, vocab)."""
+        from kvlm.interop.hf_modeling import CACHE_NAME  # transformers' name for the cache argument
+
         out = self.model(
-            input_ids=tokens, use_cache=True, logits_to_keep=int(last_only), **{self.cache_arg: cache}
+            input_ids=tokens, use_cache=True, logits_to_keep=int(last_only), **{CACHE_NAME: cache}
         )
         return out.logits
 

@@ -47,9 +47,8 @@ class KVLMCache:
 
     is_compileable = False
     is_croppable = False
-    is_linear = (
-        False,
-    )  # no recurrent (linear-attention) layers: generate may slice a prompt by the cached length
+    # no recurrent (linear-attention) layers: generate may slice a prompt by the cached length
+    is_linear = (False,)
 
     def __init__(self, max_length: int | None = None):
         self.max_length = max_length
