@@ -121,13 +121,14 @@ at::Tensor run(const Job& J, const at::Tensor& q, const at::Tensor& q_rope, int6
   });
   // merge the splits by log-sum-exp and normalise
   auto oa = out.accessor<T, 4>();
+  std::vector<T> o(J.Dv);
   for (int64_t bg = 0; bg < B * G; ++bg) {
     const int64_t b = bg / G, g = bg % G;
     for (int64_t r = 0; r < R; ++r) {
       T M = -std::numeric_limits<T>::infinity();
       for (int64_t sp = 0; sp < n_split; ++sp) M = std::max(M, pm[(bg * n_split + sp) * Rp + r]);
       T Lsum = 0;
-      std::vector<T> o(J.Dv, T(0));
+      std::fill(o.begin(), o.end(), T(0));
       for (int64_t sp = 0; sp < n_split; ++sp) {
         const int64_t it = bg * n_split + sp;
         if (pl[it * Rp + r] == T(0)) continue;

@@ -27,6 +27,7 @@
 #endif
 
 #include "decode_avx512_loads.h"  // Elem, load<DT>, tail_mask
+#include "scratch.h"
 
 namespace kvlm_decode {
 namespace avx512 {
@@ -219,10 +220,6 @@ inline __m512 exp_nonpos(__m512 x) {
 #endif
 constexpr int64_t kWidenRows = KVLM_WIDEN_ROWS;  // rows from which bf16 / int8 tiles are widened (attend_range)
 
-struct alignas(64) Line {  // one vector's worth of floats, for aligned scratch vectors
-  float f[16];
-};
-
 // Row pointers (and int8 scales) of the keys [t, t + n) of sequence `tab` in pool p, group g; the rest of the
 // TILE slots point at `zero` (scale 0).
 template <int TILE>
@@ -308,17 +305,16 @@ void attend_range(const Job& J, const float* q, const float* qr, int64_t b, int6
   const int64_t R = J.R, Dk = J.Dk, Dv = J.Dv, Dr = J.Dr, Dkp = J.Dkp, Dvp = J.Dvp, Drp = J.Drp;
   const bool quant = DT == DType::i8 || DT == DType::f8;  // codes with a per-token scale
   const bool latent = J.v_is_k;
-  // scores / probabilities (R x TILE) and a zero row for the slots past the range, 64-byte aligned
-  std::vector<Line> s_v(R * NV), zero_v(std::max({Dkp, Dvp, Drp, int64_t(16)}) / 16);
-  float* s = s_v.data()->f;
-  const char* zero = reinterpret_cast<const char*>(zero_v.data());
+  // scores / probabilities (R x TILE) and a zero row for the slots past the range, in the thread's scratch
+  float* s = scratch_array<float>(0, R * TILE);
+  const char* zero = reinterpret_cast<const char*>(scratch_array<float>(1, std::max({Dkp, Dvp, Drp, int64_t(16)})));
   const char *kp[2][TILE], *vp[2][TILE], *krp[2][TILE];  // this tile's rows and the next one's
   float ks[2][TILE], vs[2][TILE];
-  std::vector<Line> wk_v(WIDEN ? TILE * Dkp / 16 : 0), wv_v(WIDEN && !latent ? TILE * Dvp / 16 : 0);
+  float* wk = WIDEN ? scratch_array<float>(2, TILE * Dkp) : nullptr;
+  float* wv = WIDEN && !latent ? scratch_array<float>(3, TILE * Dvp) : nullptr;
   const char *wkp[TILE], *wvp[TILE];
   // q and qr by the row blocks of the score pass (4, then 2, then 1 rows), interleaved for score16
-  std::vector<Line> qi_v(R * Dkp / 16), qri_v(std::max<int64_t>(R * Drp / 16, 1));
-  float *qi = qi_v.data()->f, *qri = qri_v.data()->f;
+  float *qi = scratch_array<float>(4, R * Dkp), *qri = scratch_array<float>(5, std::max<int64_t>(R * Drp, 16));
   for (int64_t r0 = 0, rb; r0 < R; r0 += rb) {
     rb = R - r0 >= 4 ? 4 : R - r0 >= 2 ? 2 : 1;
     auto each = [&](auto tag) {
@@ -346,11 +342,13 @@ void attend_range(const Job& J, const float* q, const float* qr, int64_t b, int6
 #endif
   const int64_t row_lines = (Dk * ES + 63) / 64 + (latent ? 0 : (Dv * ES + 63) / 64) + (Dr * 4 + 63) / 64;
   const int64_t call_steps = std::max<int64_t>((Dk + 15) / 16 + (Dr + 15) / 16, TILE);  // at most, in one call
-  std::vector<const char*> pl_v(spread ? TILE * row_lines + call_steps : 1, zero);
+  const int64_t pl_n = spread ? TILE * row_lines + call_steps : 1;
+  const char** pl_list = scratch_array<const char*>(6, pl_n);
+  std::fill(pl_list, pl_list + pl_n, zero);
   const char* prow[TILE];
   auto list_lines = [&](int64_t t) {
     const int n = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(TILE, j1 - t)));
-    const char** o = pl_v.data();
+    const char** o = pl_list;
     auto add = [&](int64_t bytes) {
       for (int j = 0; j < n; ++j)
         for (int64_t off = 0; off < bytes; off += 64) *o++ = prow[j] + off;
@@ -374,11 +372,10 @@ void attend_range(const Job& J, const float* q, const float* qr, int64_t b, int6
   const int64_t R4 = R / 4 * 4, nvv = (Dv + 15) / 16;
   const __mmask16 last_v = tail_mask(Dv);
   // the running sums as vectors (reduced at the end), the caller's l in lane 0
-  std::vector<Line> lv_v(R);
-  __m512* lv = reinterpret_cast<__m512*>(lv_v.data());
+  __m512* lv = reinterpret_cast<__m512*>(scratch_array<float>(7, R * 16));
   for (int64_t r = 0; r < R; ++r) lv[r] = _mm512_set_ps(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, l[r]);
   for (int k = 1; spread && k < kPrefetchTiles; ++k) {  // the tiles before the first one prefetched in the loop
-    for (const char* const *p = pl_v.data(), *const* e = list_lines(j0 + k * TILE); p < e; ++p)
+    for (const char* const *p = pl_list, *const* e = list_lines(j0 + k * TILE); p < e; ++p)
       _mm_prefetch(*p, KVLM_PF_HINT);
   }
   auto fill = [&](int c, int64_t t) {  // the rows of the tile at t into slot c (nothing past j1)
@@ -397,16 +394,16 @@ void attend_range(const Job& J, const float* q, const float* qr, int64_t b, int6
 #ifdef KVLM_NO_PREFETCH
     burst = false;
 #endif
-    const char* const* pl_end = spread ? list_lines(t0 + kPrefetchTiles * TILE) : pl_v.data();
-    const char* const* pl = pl_v.data();
+    const char* const* pl_end = spread ? list_lines(t0 + kPrefetchTiles * TILE) : pl_list;
+    const char* const* pl = pl_list;
     const char* const* K = kp[cur];
     const char* const* Vr = latent ? kp[cur] : vp[cur];
     const char* const* KR = krp[cur];
     const float* kscale = quant ? ks[cur] : nullptr;
     const float* vscale = quant ? (latent ? ks[cur] : vs[cur]) : nullptr;
     if (WIDEN) {
-      widen<DT, TILE>(K, kscale, n, Dk, wk_v.data()->f, Dkp, zero, wkp);
-      if (!latent) widen<DT, TILE>(Vr, vscale, n, Dv, wv_v.data()->f, Dvp, zero, wvp);
+      widen<DT, TILE>(K, kscale, n, Dk, wk, Dkp, zero, wkp);
+      if (!latent) widen<DT, TILE>(Vr, vscale, n, Dv, wv, Dvp, zero, wvp);
       K = wkp;
       Vr = latent ? wkp : wvp;
       kscale = vscale = nullptr;

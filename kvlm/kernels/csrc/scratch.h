@@ -1,0 +1,35 @@
+// Per-thread scratch buffers reused by every work item and call of the CPU decode kernel. A decode step runs
+// ~100 (sequence, head) items a layer, each with a few small buffers; allocated and freed per item (aligned
+// new / delete), they cost more than the attention itself at short contexts (MHA, batch 8, 1 cached key).
+#pragma once
+
+#include <cstddef>
+#include <cstring>
+#include <vector>
+
+namespace kvlm_decode {
+
+constexpr int kScratchSlots = 8;
+
+// `bytes` of 64-byte-aligned memory for buffer `slot` of the calling thread, zeroed: valid until this thread
+// asks for the same slot again. Each buffer grows to the largest request and is kept for the thread's life.
+inline void* scratch(int slot, size_t bytes) {
+  struct alignas(64) Block {
+    unsigned char b[64];
+  };
+  thread_local std::vector<Block> buffers[kScratchSlots];
+  std::vector<Block>& buf = buffers[slot];
+  const size_t blocks = (bytes + 63) / 64;
+  if (buf.size() < blocks) buf.resize(blocks);
+  std::memset(buf.data(), 0, blocks * 64);
+  return buf.data();
+}
+
+// n elements of type E (trivial, alignment <= 64) in scratch slot `slot`, zeroed.
+template <typename E>
+inline E* scratch_array(int slot, size_t n) {
+  static_assert(alignof(E) <= 64, "scratch is 64-byte aligned");
+  return static_cast<E*>(scratch(slot, n * sizeof(E)));
+}
+
+}  // namespace kvlm_decode
