@@ -10,16 +10,19 @@
 namespace kvlm_decode {
 
 constexpr int kScratchSlots = 8;
+constexpr size_t kScratchKeepBytes = size_t(1) << 20;  // a buffer past this is freed by the next smaller request
 
 // `bytes` of 64-byte-aligned memory for buffer `slot` of the calling thread, zeroed: valid until this thread
-// asks for the same slot again. Each buffer grows to the largest request and is kept for the thread's life.
+// asks for the same slot again. Each buffer grows to the largest request and is kept for the thread's life, up
+// to kScratchKeepBytes: a larger one (a prefill-sized call of many query rows) lasts until a smaller request.
 inline void* scratch(int slot, size_t bytes) {
   struct alignas(64) Block {
     unsigned char b[64];
   };
   thread_local std::vector<Block> buffers[kScratchSlots];
   std::vector<Block>& buf = buffers[slot];
-  const size_t blocks = (bytes + 63) / 64;
+  const size_t blocks = (bytes + 63) / 64, keep = kScratchKeepBytes / 64;
+  if (buf.size() > keep && blocks <= keep) std::vector<Block>(blocks).swap(buf);
   if (buf.size() < blocks) buf.resize(blocks);
   std::memset(buf.data(), 0, blocks * 64);
   return buf.data();
