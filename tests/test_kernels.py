@@ -551,7 +551,8 @@ def test_scratch_buffers_serve_calls_of_every_size_in_turn():
     1 MiB a buffer keeps (128 heads x 16 new tokens of 576: 4.7 MB of interleaved queries), then small calls, then
     the large one again, each exact against the reference: no buffer is stale, short or left dirty."""
     gen = torch.Generator().manual_seed(11)
-    for B, H, T, Dc, dR in [(1, 128, 16, 512, 64), (2, 3, 1, 40, 8), (1, 12, 1, 256, 32), (1, 128, 16, 512, 64)]:
+    large, small = (1, 128, 16, 512, 64), [(2, 3, 1, 40, 8), (1, 12, 1, 256, 32)]
+    for B, H, T, Dc, dR in [large, *small, large]:
         c, kr, q, qr, view, rview = _latent_setup(B, H, T, Dc, dR, 40, 16, "fp32", 0, gen)
         scale = 1 / math.sqrt(Dc + dR)
         out = kernels.latent_decode(q, qr, view, rview, T, scale, strict=True)
