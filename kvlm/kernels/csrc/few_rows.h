@@ -167,10 +167,7 @@ inline at::Tensor linear(const at::Tensor& x, const std::vector<at::Tensor>& wei
 // head): x (H, M, K) strided (unit stride along K, so (B, h, 1, a) is read in place), W (H, K, N) contiguous as the
 // model keeps it (N a multiple of 16); y (M, H, N). Outer-product form, the attention kernel's value micro-kernel
 // (avx512::values_chunk: rows of x broadcast against rows of W, 4 x 4 output vectors in registers), so each W_h
-// is read once for all M rows and no transposed copy is kept. Work items are heads: a head's W_h (64 KiB at
-// MLA's reference shape) goes to L2 whole (a prefetch of the next head's, beside this one's product), then its
-// 64-column chunks run over it. Items of (head, chunk) read each row of W in strided pieces from memory: W~^UK
-// (64 x 256) at 12-19 GB/s against 45 for the same bytes as W~^UV's (256 x 64) rows (benchmarks/decode-limit.md).
+// is read once for all M rows and no transposed copy is kept. Work items are (head, 64 output columns).
 inline at::Tensor head_products(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 3 && w.dim() == 3 && x.size(0) == w.size(0) && x.size(2) == w.size(1),
               "head_products: x (H, M, K) and w (H, K, N)");
@@ -187,24 +184,18 @@ inline at::Tensor head_products(const at::Tensor& x, const at::Tensor& w) {
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t head_bytes = K * N * 4;
-  at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
+  at::parallel_for(0, H * chunks, 1, [&](int64_t i0, int64_t i1) {
     std::vector<const char*> rows(std::max<int64_t>(K, 1));
     const char* const* pl = nullptr;  // no prefetch list
-    for (int64_t h = h0; h < h1; ++h) {
-      const char* wh = reinterpret_cast<const char*>(wp + h * K * N);
-      if (h == h0)
-        for (int64_t off = 0; off < head_bytes; off += 64) _mm_prefetch(wh + off, _MM_HINT_T1);
-      if (h + 1 < h1)
-        for (int64_t off = 0; off < head_bytes; off += 64) _mm_prefetch(wh + head_bytes + off, _MM_HINT_T1);
-      for (int64_t k = 0; k < K; ++k) rows[k] = wh + k * N * 4;
-      for (int64_t z0 = 0; z0 < chunks * 4; z0 += 4)
-        row_blocks<4>(M, [&](auto tag, int64_t r) {
-          constexpr int RB = decltype(tag)::value;
-          avx512::values_chunk<DType::f32, RB>(xp + h * sh + r * xs, xs, rows.data(), static_cast<int>(K), nv,
-                                               static_cast<__mmask16>(0xFFFF), z0, yp + (r * H + h) * N, H * N,
-                                               nullptr, pl, 0);
-        });
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t h = i / chunks, z0 = (i % chunks) * 4;
+      for (int64_t k = 0; k < K; ++k) rows[k] = reinterpret_cast<const char*>(wp + (h * K + k) * N);
+      row_blocks<4>(M, [&](auto tag, int64_t r) {
+        constexpr int RB = decltype(tag)::value;
+        avx512::values_chunk<DType::f32, RB>(xp + h * sh + r * xs, xs, rows.data(), static_cast<int>(K), nv,
+                                             static_cast<__mmask16>(0xFFFF), z0, yp + (r * H + h) * N, H * N,
+                                             nullptr, pl, 0);
+      });
     }
   });
   return y;
