@@ -311,7 +311,7 @@ def combine(passes: list[dict]) -> list[dict]:
 
 def row_line(r):
     ops = r.get("operations") or {}
-    floor = sum(o["floor_ms"] for o in ops.values()) if ops else None
+    floor = decode_targets.step_floor(r)
 
     def x(name):
         v = ops.get(name, {}).get("x_floor")
