@@ -23,6 +23,7 @@
 #include "decode_core.h"
 #include "few_rows.h"
 #include "few_rows_panels.h"
+#include "scratch.h"
 
 namespace {
 
@@ -63,16 +64,13 @@ Pool make_pool(const at::Tensor& pool, const c10::optional<at::Tensor>& scale, b
 // q (B, G, R, Dk), q_rope (B, G, R, Dr) or undefined; returns (B, G, R, Dv).
 template <typename T>
 at::Tensor run(const Job& J, const at::Tensor& q, const at::Tensor& q_rope, int64_t n_split) {
-  using V = typename Vec<T>::type;
-  constexpr int L = Vec<T>::L;
+  using kvlm_decode::kCallSlot;
   const int64_t B = J.B, G = J.G, R = J.R, Rp = J.Rp;
   auto out = at::empty({B, G, R, J.Dv}, q.options());
-  // padded, aligned copies of the queries: (B, G, Rp, Dkp) and (B, G, Rp, Drp)
-  std::vector<V> qpad_v(B * G * Rp * J.Dkp / L + 1), qrpad_v(J.Dr ? B * G * Rp * J.Drp / L + 1 : 1);
-  T* qpad = reinterpret_cast<T*>(qpad_v.data());
-  T* qrpad = reinterpret_cast<T*>(qrpad_v.data());
-  std::fill(qpad, qpad + B * G * Rp * J.Dkp, T(0));
-  if (J.Dr) std::fill(qrpad, qrpad + B * G * Rp * J.Drp, T(0));
+  // padded, aligned, zeroed copies of the queries: (B, G, Rp, Dkp) and (B, G, Rp, Drp), in the calling thread's
+  // scratch (slots past the work items': allocated and zeroed twice per call, these were a third of a short call)
+  T* qpad = kvlm_decode::scratch_array<T>(kCallSlot, B * G * Rp * J.Dkp);
+  T* qrpad = kvlm_decode::scratch_array<T>(kCallSlot + 1, std::max<int64_t>(B * G * Rp * J.Drp, 1));
   {
     auto qa = q.accessor<T, 4>();
     for (int64_t b = 0; b < B; ++b)
@@ -104,10 +102,10 @@ at::Tensor run(const Job& J, const at::Tensor& q, const at::Tensor& q_rope, int6
   }
   const int64_t items = B * G * n_split;
   // partials: (items, Rp) m and l, (items, Rp, Dvp) acc
-  std::vector<T> pm(items * Rp, -std::numeric_limits<T>::infinity()), pl(items * Rp, T(0));
-  std::vector<V> pacc_v(items * Rp * J.Dvp / L + 1);
-  T* pacc = reinterpret_cast<T*>(pacc_v.data());
-  std::fill(pacc, pacc + items * Rp * J.Dvp, T(0));
+  T* pm = kvlm_decode::scratch_array<T>(kCallSlot + 2, items * Rp);
+  T* pl = kvlm_decode::scratch_array<T>(kCallSlot + 3, items * Rp);
+  T* pacc = kvlm_decode::scratch_array<T>(kCallSlot + 4, items * Rp * J.Dvp);
+  std::fill(pm, pm + items * Rp, -std::numeric_limits<T>::infinity());
   at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t it = i0; it < i1; ++it) {
       const int64_t sp = it % n_split, bg = it / n_split, b = bg / G, g = bg % G;
@@ -116,7 +114,7 @@ at::Tensor run(const Job& J, const at::Tensor& q, const at::Tensor& q_rope, int6
       const int64_t j0 = a + sp * chunk, j1 = std::min(e, j0 + chunk);
       if (j0 >= j1) continue;
       attend_range<T>(J, qpad + bg * Rp * J.Dkp, qrpad + bg * Rp * J.Drp, b, g, j0, j1, lo.data() + b * R,
-                      hi.data() + b * R, pm.data() + it * Rp, pl.data() + it * Rp, pacc + it * Rp * J.Dvp);
+                      hi.data() + b * R, pm + it * Rp, pl + it * Rp, pacc + it * Rp * J.Dvp);
     }
   });
   // merge the splits by log-sum-exp and normalise

@@ -9,7 +9,8 @@
 
 namespace kvlm_decode {
 
-constexpr int kScratchSlots = 8;
+constexpr int kCallSlot = 8;  // slots [0, 8): a work item's (attend_range); [8, 13): a call's, on its thread
+constexpr int kScratchSlots = 13;
 constexpr size_t kScratchKeepBytes = size_t(1) << 20;  // a buffer past this is freed by the next smaller request
 
 // `bytes` of 64-byte-aligned memory for buffer `slot` of the calling thread, zeroed: valid until this thread
