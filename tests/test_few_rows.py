@@ -45,6 +45,22 @@ def test_the_kernel_computes_the_products(rows, k):
     torch.testing.assert_close(got.double(), _reference(x, weights, biases), rtol=1e-5, atol=1e-5 * k**0.5)
 
 
+@pytest.mark.parametrize("offset", [0, 1, 4, 15])
+@pytest.mark.parametrize("rows", [1, 2, 8])
+def test_weights_at_any_alignment(offset, rows):
+    """The kernel loads 64-byte-aligned weight vectors non-temporally and the rest as usual: a contiguous weight
+    starting 4, 16 or 60 bytes past a 64-byte boundary (a view into a larger buffer) gives the same products (an
+    aligned-only load there would fault)."""
+    torch.manual_seed(offset)
+    k = 64
+    weight = torch.randn(40 * k + 16)[offset : offset + 40 * k].view(40, k)
+    assert weight.is_contiguous() and (weight.data_ptr() % 64 == 0) == (offset == 0)
+    x = torch.randn(rows, k)
+    with torch.no_grad():
+        got = few_rows.few_rows_linear(x, [weight], [None])
+    torch.testing.assert_close(got.double(), _reference(x, [weight], [None]), rtol=1e-5, atol=1e-4)
+
+
 def test_leading_axes_are_kept():
     x = torch.randn(2, 3, 48)
     w = torch.randn(40, 48)
