@@ -19,6 +19,7 @@ Pieces (old arm -> new arm), at the bench reference shape:
 ``--pieces`` picks some (names as above).
 
     OMP_NUM_THREADS=2 python benchmarks/step_ab.py --baseline HEAD --pieces "kernel sources"   # ~1 min + builds
+    OMP_NUM_THREADS=2 python benchmarks/step_ab.py --baseline HEAD --pieces "kernel sources" --one-token  # and at 1
 """
 
 from __future__ import annotations
@@ -156,6 +157,11 @@ def main() -> None:
         metavar="REV",
         help="git revision whose kernel sources the piece 'kernel sources' times against the working tree's",
     )
+    ap.add_argument(
+        "--one-token",
+        action="store_true",
+        help="'kernel sources' also at 1 cached token (the step outside attention: the weight products and the rest)",
+    )
     a = ap.parse_args()
     if "kernel sources" in a.pieces and not a.baseline:
         ap.error("the piece 'kernel sources' needs --baseline REV")
@@ -177,15 +183,18 @@ def main() -> None:
             for batch in (1, 8):
                 if piece == "huge-page weights" and batch != 1:
                     continue  # batch 4-16 reads MKL's packed copies, which torch allocates
-                context = long[batch] if piece in LONG else 1
-                old, new, ratio = run(
-                    spec, batch, context, piece, shape, 3 if a.quick else a.rounds, baseline
-                )
-                name = spec.split(":")[0]
-                print(
-                    f"| {piece} | {name} | {batch} | {context} | {old:.2f} | {new:.2f} | {ratio:.3f} |",
-                    flush=True,
-                )
+                contexts = [long[batch] if piece in LONG else 1]
+                if piece == "kernel sources" and a.one_token:
+                    contexts.insert(0, 1)
+                for context in contexts:
+                    old, new, ratio = run(
+                        spec, batch, context, piece, shape, 3 if a.quick else a.rounds, baseline
+                    )
+                    name = spec.split(":")[0]
+                    print(
+                        f"| {piece} | {name} | {batch} | {context} | {old:.2f} | {new:.2f} | {ratio:.3f} |",
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":
