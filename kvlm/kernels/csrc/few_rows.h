@@ -39,8 +39,8 @@ constexpr int64_t kFarBytes = 32768, kNearBytes = 2048;  // into L2, into L1: fr
 // Python run cold, their code and data evicted. On the Zen 4 EPYC non-temporal loads of a 98 MB stream left the
 // few operators after it 1.8-2.4x faster (350 -> 146-196 us) at the same read rate, and the whole step at one
 // cached token 1.03-1.08x faster at batch 1 (weights read whole here, no software prefetch), level at batch 8,
-// where the prefetch into L2 below brings each line in first (an NTA prefetch instead: 0.76-0.81x). Intel's cores
-// treat it on write-back memory as an ordinary load.
+// where the prefetch into L2 below brings each line in first (an NTA prefetch instead: 0.76-0.81x). On write-back
+// memory a core may also treat it as an ordinary load (Intel's manual allows it): then nothing changes.
 inline __m512 load_w(const float* p) {
   if ((reinterpret_cast<uintptr_t>(p) & 63) == 0)
     return _mm512_castsi512_ps(_mm512_stream_load_si512(const_cast<float*>(p)));
