@@ -19,10 +19,9 @@ import statistics
 import time
 
 import torch
-from step_overhead import QUICK, SHAPE, VARIANTS, VARIANTS_QUICK, short_step  # this folder
+from step_overhead import QUICK, SHAPE, VARIANTS, VARIANTS_QUICK, one_token_step  # this folder
 
 from kvlm.bench.hardware import Probe
-from kvlm.inference.generation import packs_for
 from kvlm.kernels import cpu
 
 PRODUCTS = ("few_rows_linear", "panel_linear")  # the extension's weight products
@@ -63,14 +62,7 @@ def recorded_products(step) -> tuple[list, int]:
 
 
 def one(spec: str, batch: int, shape: dict, probe: Probe, rounds: int) -> dict:
-    _, model, mode, cache, tok = short_step(spec, batch, shape)
-    layout = packs_for(model, batch)
-    if layout is not None:
-        model.pack_for_decode(layout)
-
-    def step():
-        cache.length = 1  # every step sees the same single cached token
-        model(tok, cache=cache, mode=mode, last_only=True)
+    step = one_token_step(spec, batch, shape)
 
     with torch.inference_mode():
         calls, nbytes = recorded_products(step)

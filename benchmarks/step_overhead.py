@@ -78,6 +78,21 @@ def short_step(spec: str, batch: int, shape: dict):
     return cfg, model, mode, cache, torch.randint(0, cfg.vocab_size, (batch, 1))
 
 
+def one_token_step(spec: str, batch: int, shape: dict):
+    """One decode step of ``spec`` at 1 cached token (every call sees the same single token), the weights packed as
+    ``generate`` packs them for ``batch``: a function of no arguments."""
+    _, model, mode, cache, tok = short_step(spec, batch, shape)
+    layout = packs_for(model, batch)
+    if layout is not None:
+        model.pack_for_decode(layout)
+
+    def step():
+        cache.length = 1
+        model(tok, cache=cache, mode=mode, last_only=True)
+
+    return step
+
+
 def one(spec: str, batch: int, shape: dict, hw: dict, reps: int) -> dict:
     cfg, model, mode, cache, tok = short_step(spec, batch, shape)
     x = torch.randn(batch, 1, cfg.d_model)

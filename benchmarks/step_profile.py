@@ -22,10 +22,9 @@ import statistics
 import time
 
 import torch
-from step_overhead import QUICK, SHAPE, VARIANTS, VARIANTS_QUICK, short_step  # this folder
+from step_overhead import QUICK, SHAPE, VARIANTS, VARIANTS_QUICK, one_token_step  # this folder
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from kvlm.inference.generation import packs_for
 from kvlm.kernels import cpu
 
 GEMMS = {"aten::mm", "aten::addmm", "aten::bmm", "mkl::_mkl_linear", "mkldnn::_linear_pointwise",
@@ -57,14 +56,7 @@ def kernels_recorded():
 
 
 def profile_step(spec: str, batch: int, shape: dict) -> dict:
-    _, model, mode, cache, tok = short_step(spec, batch, shape)
-    layout = packs_for(model, batch)
-    if layout is not None:
-        model.pack_for_decode(layout)
-
-    def step():
-        cache.length = 1  # every step sees the same single cached token
-        model(tok, cache=cache, mode=mode, last_only=True)
+    step = one_token_step(spec, batch, shape)
 
     with torch.inference_mode():
         for _ in range(5):
