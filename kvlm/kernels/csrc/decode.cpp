@@ -61,34 +61,43 @@ Pool make_pool(const at::Tensor& pool, const c10::optional<at::Tensor>& scale, b
   return p;
 }
 
+// x (B, G, R, D) as (B, G, Rp, Dp) rows in the calling thread's scratch buffer `slot`: each row copied whole, only
+// the padding (columns past D, rows past R) zeroed
+template <typename T>
+T* padded_rows(const at::Tensor& x, int slot, int64_t Rp, int64_t Dp) {
+  const int64_t B = x.size(0), G = x.size(1), R = x.size(2), D = x.size(3);
+  T* dst = kvlm_decode::scratch_array<T>(slot, std::max<int64_t>(B * G * Rp * Dp, 1), false);
+  auto xa = x.accessor<T, 4>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t r = 0; r < Rp; ++r) {
+        T* o = dst + ((b * G + g) * Rp + r) * Dp;
+        int64_t d = 0;
+        if (r < R) {
+          const auto row = xa[b][g][r];
+          if (row.stride(0) == 1)
+            std::memcpy(o, row.data(), D * sizeof(T));
+          else
+            for (int64_t c = 0; c < D; ++c) o[c] = row[c];
+          d = D;
+        }
+        std::fill(o + d, o + Dp, T(0));
+      }
+  return dst;
+}
+
 // q (B, G, R, Dk), q_rope (B, G, R, Dr) or undefined; returns (B, G, R, Dv).
 template <typename T>
 at::Tensor run(const Job& J, const at::Tensor& q, const at::Tensor& q_rope, int64_t n_split) {
   using kvlm_decode::kCallSlot;
-  const int64_t B = J.B, G = J.G, R = J.R, Rp = J.Rp;
-  auto out = at::empty({B, G, R, J.Dv}, q.options());
-  // padded, aligned, zeroed copies of the queries: (B, G, Rp, Dkp) and (B, G, Rp, Drp), in the calling thread's
-  // scratch (slots past the work items': allocated and zeroed twice per call, these were a third of a short call)
-  T* qpad = kvlm_decode::scratch_array<T>(kCallSlot, B * G * Rp * J.Dkp);
-  T* qrpad = kvlm_decode::scratch_array<T>(kCallSlot + 1, std::max<int64_t>(B * G * Rp * J.Drp, 1));
-  {
-    auto qa = q.accessor<T, 4>();
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t r = 0; r < R; ++r) {
-          T* dst = qpad + ((b * G + g) * Rp + r) * J.Dkp;
-          for (int64_t d = 0; d < J.Dk; ++d) dst[d] = qa[b][g][r][d];
-        }
-    if (J.Dr) {
-      auto qra = q_rope.accessor<T, 4>();
-      for (int64_t b = 0; b < B; ++b)
-        for (int64_t g = 0; g < G; ++g)
-          for (int64_t r = 0; r < R; ++r) {
-            T* dst = qrpad + ((b * G + g) * Rp + r) * J.Drp;
-            for (int64_t d = 0; d < J.Dr; ++d) dst[d] = qra[b][g][r][d];
-          }
-    }
-  }
+  const int64_t B = J.B, G = J.G, R = J.R, Rp = J.Rp, Dv = J.Dv, Dvp = J.Dvp;
+  auto out = at::empty({B, G, R, Dv}, q.options());
+  T* o = out.data_ptr<T>();
+  // padded, aligned copies of the queries, (B, G, Rp, Dkp) and (B, G, Rp, Drp), and the items' partials below in
+  // the calling thread's scratch (slots past the work items'): allocated per call and zeroed whole, these were a
+  // third, then (the memsets alone, ~200 KB at MLA's batch 8) a quarter of a short call
+  T* qpad = padded_rows<T>(q, kCallSlot, Rp, J.Dkp);
+  T* qrpad = J.Dr ? padded_rows<T>(q_rope, kCallSlot + 1, Rp, J.Drp) : kvlm_decode::scratch_array<T>(kCallSlot + 1, 1);
   // per sequence: the key range read, and each row's visible slots [lo, hi]
   std::vector<int64_t> first(B), lo(B * R), hi(B * R);
   for (int64_t b = 0; b < B; ++b) {
@@ -101,42 +110,51 @@ at::Tensor run(const Job& J, const at::Tensor& q, const at::Tensor& q_rope, int6
     }
   }
   const int64_t items = B * G * n_split;
-  // partials: (items, Rp) m and l, (items, Rp, Dvp) acc
-  T* pm = kvlm_decode::scratch_array<T>(kCallSlot + 2, items * Rp);
+  // partials: (items, Rp) m and l (an item with no keys keeps l = 0), (items, Rp, Dvp) acc, zeroed by its item
+  T* pm = kvlm_decode::scratch_array<T>(kCallSlot + 2, items * Rp, false);
   T* pl = kvlm_decode::scratch_array<T>(kCallSlot + 3, items * Rp);
-  T* pacc = kvlm_decode::scratch_array<T>(kCallSlot + 4, items * Rp * J.Dvp);
+  T* pacc = kvlm_decode::scratch_array<T>(kCallSlot + 4, items * Rp * Dvp, false);
   std::fill(pm, pm + items * Rp, -std::numeric_limits<T>::infinity());
+  // rows r of (b, g) = acc / l, or 0 where no key was seen
+  auto normalise = [&](int64_t bg, int64_t r, const T* acc, T lsum) {
+    const T inv = lsum > T(0) ? T(1) / lsum : T(0);
+    T* dst = o + (bg * R + r) * Dv;
+    for (int64_t d = 0; d < Dv; ++d) dst[d] = acc[d] * inv;
+  };
   at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
     for (int64_t it = i0; it < i1; ++it) {
       const int64_t sp = it % n_split, bg = it / n_split, b = bg / G, g = bg % G;
       const int64_t a = first[b], e = J.end[b], len = std::max<int64_t>(e - a, 0);
       const int64_t chunk = round_up((len + n_split - 1) / n_split, kTile);
       const int64_t j0 = a + sp * chunk, j1 = std::min(e, j0 + chunk);
-      if (j0 >= j1) continue;
-      attend_range<T>(J, qpad + bg * Rp * J.Dkp, qrpad + bg * Rp * J.Drp, b, g, j0, j1, lo.data() + b * R,
-                      hi.data() + b * R, pm + it * Rp, pl + it * Rp, pacc + it * Rp * J.Dvp);
+      T* acc = pacc + it * Rp * Dvp;
+      if (j0 < j1) {
+        std::fill(acc, acc + Rp * Dvp, T(0));  // here, not per call: in this thread's cache, where it is used
+        attend_range<T>(J, qpad + bg * Rp * J.Dkp, qrpad + bg * Rp * J.Drp, b, g, j0, j1, lo.data() + b * R,
+                        hi.data() + b * R, pm + it * Rp, pl + it * Rp, acc);
+      }
+      if (n_split == 1)  // nothing to merge: the item writes its rows of the output
+        for (int64_t r = 0; r < R; ++r) normalise(bg, r, acc + r * Dvp, j0 < j1 ? pl[it * Rp + r] : T(0));
     }
   });
+  if (n_split == 1) return out;
   // merge the splits by log-sum-exp and normalise
-  auto oa = out.accessor<T, 4>();
-  std::vector<T> o(J.Dv);
+  std::vector<T> merged(Dv);
   for (int64_t bg = 0; bg < B * G; ++bg) {
-    const int64_t b = bg / G, g = bg % G;
     for (int64_t r = 0; r < R; ++r) {
       T M = -std::numeric_limits<T>::infinity();
       for (int64_t sp = 0; sp < n_split; ++sp) M = std::max(M, pm[(bg * n_split + sp) * Rp + r]);
       T Lsum = 0;
-      std::fill(o.begin(), o.end(), T(0));
+      std::fill(merged.begin(), merged.end(), T(0));
       for (int64_t sp = 0; sp < n_split; ++sp) {
         const int64_t it = bg * n_split + sp;
         if (pl[it * Rp + r] == T(0)) continue;
         const T w = std::exp(pm[it * Rp + r] - M);
         Lsum += pl[it * Rp + r] * w;
-        const T* ar = pacc + (it * Rp + r) * J.Dvp;
-        for (int64_t d = 0; d < J.Dv; ++d) o[d] += ar[d] * w;
+        const T* ar = pacc + (it * Rp + r) * Dvp;
+        for (int64_t d = 0; d < Dv; ++d) merged[d] += ar[d] * w;
       }
-      const T inv = Lsum > T(0) ? T(1) / Lsum : T(0);
-      for (int64_t d = 0; d < J.Dv; ++d) oa[b][g][r][d] = o[d] * inv;
+      normalise(bg, r, merged.data(), Lsum);
     }
   }
   return out;

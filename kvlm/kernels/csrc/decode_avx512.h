@@ -306,15 +306,16 @@ void attend_range(const Job& J, const float* q, const float* qr, int64_t b, int6
   const bool quant = DT == DType::i8 || DT == DType::f8;  // codes with a per-token scale
   const bool latent = J.v_is_k;
   // scores / probabilities (R x TILE) and a zero row for the slots past the range, in the thread's scratch
-  float* s = scratch_array<float>(0, R * TILE);
+  float* s = scratch_array<float>(0, R * TILE, false);  // written whole by the score blocks
   const char* zero = reinterpret_cast<const char*>(scratch_array<float>(1, std::max({Dkp, Dvp, Drp, int64_t(16)})));
   const char *kp[2][TILE], *vp[2][TILE], *krp[2][TILE];  // this tile's rows and the next one's
   float ks[2][TILE], vs[2][TILE];
-  float* wk = WIDEN ? scratch_array<float>(2, TILE * Dkp) : nullptr;
-  float* wv = WIDEN && !latent ? scratch_array<float>(3, TILE * Dvp) : nullptr;
+  float* wk = WIDEN ? scratch_array<float>(2, TILE * Dkp, false) : nullptr;  // widen writes the rows it fills
+  float* wv = WIDEN && !latent ? scratch_array<float>(3, TILE * Dvp, false) : nullptr;
   const char *wkp[TILE], *wvp[TILE];
   // q and qr by the row blocks of the score pass (4, then 2, then 1 rows), interleaved for score16
-  float *qi = scratch_array<float>(4, R * Dkp), *qri = scratch_array<float>(5, std::max<int64_t>(R * Drp, 16));
+  float* qi = scratch_array<float>(4, R * Dkp, false);  // all written by interleave_rows
+  float* qri = scratch_array<float>(5, std::max<int64_t>(R * Drp, 16), false);
   for (int64_t r0 = 0, rb; r0 < R; r0 += rb) {
     rb = R - r0 >= 4 ? 4 : R - r0 >= 2 ? 2 : 1;
     auto each = [&](auto tag) {
@@ -343,7 +344,7 @@ void attend_range(const Job& J, const float* q, const float* qr, int64_t b, int6
   const int64_t row_lines = (Dk * ES + 63) / 64 + (latent ? 0 : (Dv * ES + 63) / 64) + (Dr * 4 + 63) / 64;
   const int64_t call_steps = std::max<int64_t>((Dk + 15) / 16 + (Dr + 15) / 16, TILE);  // at most, in one call
   const int64_t pl_n = spread ? TILE * row_lines + call_steps : 1;
-  const char** pl_list = scratch_array<const char*>(6, pl_n);
+  const char** pl_list = scratch_array<const char*>(6, pl_n, false);
   std::fill(pl_list, pl_list + pl_n, zero);
   const char* prow[TILE];
   auto list_lines = [&](int64_t t) {
@@ -372,7 +373,7 @@ void attend_range(const Job& J, const float* q, const float* qr, int64_t b, int6
   const int64_t R4 = R / 4 * 4, nvv = (Dv + 15) / 16;
   const __mmask16 last_v = tail_mask(Dv);
   // the running sums as vectors (reduced at the end), the caller's l in lane 0
-  __m512* lv = reinterpret_cast<__m512*>(scratch_array<float>(7, R * 16));
+  __m512* lv = reinterpret_cast<__m512*>(scratch_array<float>(7, R * 16, false));
   for (int64_t r = 0; r < R; ++r) lv[r] = _mm512_set_ps(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, l[r]);
   for (int k = 1; spread && k < kPrefetchTiles; ++k) {  // the tiles before the first one prefetched in the loop
     for (const char* const *p = pl_list, *const* e = list_lines(j0 + k * TILE); p < e; ++p)
