@@ -3,7 +3,9 @@ time against the per-operation floor max(bytes / bandwidth, FLOPs / peak), with 
 at the same thread count (kvlm.bench.hardware). With ``--baseline REV`` the kernel sources of git revision REV
 are built too (a separate extension) and both are timed interleaved in one process: medians of ``--repeats``
 alternating rounds, so a busy shared machine slows both alike; base/new is the median over the rounds of the
-ratio of the two runs of a round.
+ratio of the two runs of a round. The cache pools are in 2 MiB pages, as the model's caches are (before
+2026-11-28 13:00 they were in 4 KiB pages: ``--small-pages``; interleaved, 2 MiB pages ran MLA and GQA-3 1.05-1.12x
+and MHA 0.92-0.93x as fast, benchmarks/decode-limit.md).
 
     OMP_NUM_THREADS=2 python benchmarks/kernel_micro.py --baseline HEAD     # ~1 min after the builds
     OMP_NUM_THREADS=2 python benchmarks/kernel_micro.py --baseline HEAD --define KVLM_NO_PREFETCH   # a build knob
@@ -25,10 +27,12 @@ import torch
 from kvlm import kernels
 from kvlm.bench.hardware import measure_hardware
 from kvlm.cache.quantized import fp8_dtype, quantize
+from kvlm.hugepages import zeros_in_huge_pages
 from kvlm.kernels import cpu
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = "kvlm/kernels/csrc"
+HUGE_PAGES = True  # the pools in 2 MiB pages (main: --small-pages turns it off)
 
 # (name, query heads, KV groups, latent width (0: not latent), head / latent width, RoPE width, cache dtype)
 CASES = [
@@ -62,8 +66,15 @@ def build_baseline(rev: str, defines: tuple[str, ...] = ()):
                 verbose=False)  # fmt: skip
 
 
+def in_huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """t copied into 2 MiB pages, as the model's caches are (kvlm.hugepages; the hardware prefetchers stop at
+    page boundaries, so a pool in 4 KiB pages is read differently)."""
+    return zeros_in_huge_pages(tuple(t.shape), t.dtype).copy_(t) if HUGE_PAGES else t
+
+
 def make_case(name, H, G, latent, D, dR, store, B, S, T, seed=0):
-    """Arguments of decode_attention for one layer: B sequences of S cached tokens, contiguous (one page each)."""
+    """Arguments of decode_attention for one layer: B sequences of S cached tokens, contiguous (one page each),
+    the pools in 2 MiB pages as the model's caches (``--small-pages``: 4 KiB pages, as this script had them)."""
     gen = torch.Generator().manual_seed(seed)
     table = torch.arange(B, dtype=torch.int32)[:, None]
     start, end = torch.zeros(B, dtype=torch.int32), torch.full((B,), S, dtype=torch.int32)
@@ -75,13 +86,14 @@ def make_case(name, H, G, latent, D, dR, store, B, S, T, seed=0):
         scale = None
         if store in ("int8", "fp8"):
             pool, scale = quantize(pool, torch.int8 if store == "int8" else fp8_dtype())
+        pool, kr = in_huge_pages(pool), None if kr is None else in_huge_pages(kr)
         kv_bytes = pool.numel() * pool.element_size() + (0 if scale is None else scale.numel() * 4)
         nbytes = kv_bytes + (0 if kr is None else kr.numel() * 4)
         flops = 2 * B * H * T * S * (2 * D + dR)
         args = (q, qr, pool, scale, pool, scale, kr, table, start, end, S, T, 1 / (D + dR) ** 0.5)
     else:
-        k = torch.randn(B, G, S, D, generator=gen)
-        v = torch.randn(B, G, S, D, generator=gen)
+        k = in_huge_pages(torch.randn(B, G, S, D, generator=gen))
+        v = in_huge_pages(torch.randn(B, G, S, D, generator=gen))
         q = torch.randn(B, G, H // G * T, D, generator=gen)
         nbytes = 2 * k.numel() * 4
         flops = 2 * B * H * T * S * 2 * D
@@ -106,7 +118,10 @@ def main() -> None:
                     help="distinct caches, called in turn, so that a layer is not read from the last level cache")
     ap.add_argument("--cases", default=",".join(c[0] for c in CASES if c[0] != "mla-T2"))
     ap.add_argument("--no-hardware", action="store_true", help="skip the bandwidth / peak measurement")
+    ap.add_argument("--small-pages", action="store_true", help="the pools in 4 KiB pages, not 2 MiB ones")
     a = ap.parse_args()
+    global HUGE_PAGES
+    HUGE_PAGES = not a.small_pages
     threads = torch.get_num_threads()
     mods = {"new": cpu.extension()}
     if mods["new"] is None:

@@ -16,6 +16,7 @@
 // L1 between the two passes). Later tiles' rows are prefetched (the hardware prefetcher does not follow the
 // block table across pages; see kPrefetchTiles for how: spread over a tile's work, or in a burst).
 // Build knobs, for measuring only: KVLM_NO_PREFETCH, KVLM_PREFETCH_TILES=n, KVLM_WIDEN_ROWS=n, KVLM_PF_HINT=hint,
+// KVLM_ONE_ROW_PF_EVERY=n,
 // KVLM_NARROW_TILE=n (decode_core.h), KVLM_NO_AVX512 (the portable path).
 #pragma once
 
@@ -27,49 +28,20 @@
 #endif
 
 #include "decode_avx512_loads.h"  // Elem, load<DT>, tail_mask
+#include "decode_avx512_math.h"   // tree16, in_register, exp_nonpos
 #include "scratch.h"
 
 namespace kvlm_decode {
 namespace avx512 {
 
-// 16 vectors -> one vector whose lane i is the sum of the lanes of a[i]: four levels of "add the two halves of
-// each pair" (30 two-source permutes, 15 adds) instead of 16 horizontal sums of ~8 steps each.
-inline __m512 tree16(const __m512 (&a)[16]) {
-  // after level k the partial sums of vector i sit in lanes whose index has bit (3 - k) equal to i's; inputs in
-  // bit-reversed order make lane i of the result the sum of a[i]
-  static constexpr int rev[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
-  const __m512i lo1 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
-  const __m512i hi1 = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  const __m512i lo2 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
-  const __m512i hi2 = _mm512_setr_epi32(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
-  const __m512i lo3 = _mm512_setr_epi32(0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
-  const __m512i hi3 = _mm512_setr_epi32(2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-  const __m512i lo4 = _mm512_setr_epi32(0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
-  const __m512i hi4 = _mm512_setr_epi32(1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-  __m512 u[8], w[4], z[2];
-#pragma GCC unroll 16
-  for (int i = 0; i < 8; ++i) {
-    const __m512 x = a[rev[2 * i]], y = a[rev[2 * i + 1]];
-    u[i] = _mm512_add_ps(_mm512_permutex2var_ps(x, lo1, y), _mm512_permutex2var_ps(x, hi1, y));
-  }
-#pragma GCC unroll 4
-  for (int i = 0; i < 4; ++i)
-    w[i] = _mm512_add_ps(_mm512_permutex2var_ps(u[2 * i], lo2, u[2 * i + 1]),
-                         _mm512_permutex2var_ps(u[2 * i], hi2, u[2 * i + 1]));
-#pragma GCC unroll 2
-  for (int i = 0; i < 2; ++i)
-    z[i] = _mm512_add_ps(_mm512_permutex2var_ps(w[2 * i], lo3, w[2 * i + 1]),
-                         _mm512_permutex2var_ps(w[2 * i], hi3, w[2 * i + 1]));
-  return _mm512_add_ps(_mm512_permutex2var_ps(z[0], lo4, z[1]), _mm512_permutex2var_ps(z[0], hi4, z[1]));
-}
-
-// v as it is, which the compiler must then hold in a register: a vector loaded once and used by several FMAs is
-// otherwise folded into each of them as a memory operand (GCC 12 did so in score16: RB loads of each key vector
-// instead of one, 17 loads to 16 FMAs, so the score pass was bound by the load ports)
-inline __m512 in_register(__m512 v) {
-  asm("" : "+v"(v));
-  return v;
-}
+#ifndef KVLM_ONE_ROW_PF_EVERY
+#define KVLM_ONE_ROW_PF_EVERY 4
+#endif
+// One query row a group (MHA): the next tile's rows are prefetched one line in every kOneRowPfEvery rows (1 KiB
+// of 64-wide float rows), the hardware's stream prefetcher fetching the rest (measured, pools in 2 MiB pages:
+// 1.07-1.10x faster than every line, which holds the stream to ~20 GB/s a core; with more rows (GQA) that cut
+// ran 0.59x, so they keep every line)
+constexpr int kOneRowPfEvery = KVLM_ONE_ROW_PF_EVERY;
 
 // Lane x KB + y = q_x . k_y (+ qr_x . kr_y), for RB rows of q and qr interleaved by vectors (the 16 features
 // from d of row x at q + RB d + 16 x: one pointer for all rows, which leaves general registers for the loop;
@@ -98,8 +70,7 @@ inline __m512 score16(const float* q, const float* qr, const char* const* k,
     for (int i = 0; i < pls * (Dk16 / 16); ++i) _mm_prefetch(*pf++, KVLM_PF_HINT);
     for (int y = 0; y < KB; ++y) {  // the next tile's row y prefetched beside row y's loads (measured: 1.08-1.12x
                                     // faster than all 16 rows' lines issued at once, which fill the miss buffers)
-      if (pk)
-        for (int64_t d = 0; d < Dk16; d += line) _mm_prefetch(pk[y] + d * ES, KVLM_PF_HINT);
+      if (pk && y % kOneRowPfEvery == 0) _mm_prefetch(pk[y], KVLM_PF_HINT);
       for (int64_t d = 0; d < Dk16; d += 16) a[y] = _mm512_fmadd_ps(_mm512_load_ps(q + d), load<DT>(k[y] + d * ES), a[y]);
     }
   } else
@@ -167,8 +138,10 @@ inline void value_block(const float* p, int ps, const char* const* v, int n, int
     for (int z = 0; z < ZC; ++z)
       vv[z] = FULL ? load<DT>(v[j] + (d0 + 16 * z) * ES) : load<DT>(v[j] + (d0 + 16 * z) * ES, mk[z]);
     for (int i = 0; i < pls; ++i) _mm_prefetch(*pf++, KVLM_PF_HINT);
-    if (pv)
+    if (pv && RB > 1)
       for (int off = 0; off < 16 * ZC * ES; off += 64) _mm_prefetch(pv[j] + d0 * ES + off, KVLM_PF_HINT);
+    else if (pv && d0 == 0 && j % kOneRowPfEvery == 0)
+      _mm_prefetch(pv[j], KVLM_PF_HINT);
     for (int x = 0; x < RB; ++x) {
       const __m512 px = _mm512_set1_ps(p[x * ps + j]);
       for (int z = 0; z < ZC; ++z) a[x][z] = _mm512_fmadd_ps(px, vv[z], a[x][z]);
@@ -197,24 +170,6 @@ inline void values_chunk(const float* p, int ps, const char* const* v, int n, in
   if (left == 1) value_block<DT, RB, 1>(p, ps, v, n, 16 * z0, mk, acc, as, pv, pl, pls);
 }
 
-// exp(x) for x <= 0 (scores minus their running max): Cephes' expf polynomial as decode_core.h's vexp, the
-// power of two applied by scalef; below -87.3 (exp < FLT_MIN) it gives exp(-87.3) ~ 1e-38 instead of a denormal
-// (masked keys are zeroed by the caller).
-inline __m512 exp_nonpos(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3365478515625f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500E-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_scalef_ps(p, n);
-}
 #ifndef KVLM_WIDEN_ROWS
 #define KVLM_WIDEN_ROWS 8
 #endif
