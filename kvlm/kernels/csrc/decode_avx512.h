@@ -16,7 +16,6 @@
 // L1 between the two passes). Later tiles' rows are prefetched (the hardware prefetcher does not follow the
 // block table across pages; see kPrefetchTiles for how: spread over a tile's work, or in a burst).
 // Build knobs, for measuring only: KVLM_NO_PREFETCH, KVLM_PREFETCH_TILES=n, KVLM_WIDEN_ROWS=n, KVLM_PF_HINT=hint,
-// KVLM_ONE_ROW_PF_EVERY=n,
 // KVLM_NARROW_TILE=n (decode_core.h), KVLM_NO_AVX512 (the portable path).
 #pragma once
 
@@ -33,15 +32,6 @@
 
 namespace kvlm_decode {
 namespace avx512 {
-
-#ifndef KVLM_ONE_ROW_PF_EVERY
-#define KVLM_ONE_ROW_PF_EVERY 4
-#endif
-// One query row a group (MHA): the next tile's rows are prefetched one line in every kOneRowPfEvery rows (1 KiB
-// of 64-wide float rows), the hardware's stream prefetcher fetching the rest (measured, pools in 2 MiB pages:
-// 1.07-1.10x faster than every line, which holds the stream to ~20 GB/s a core; with more rows (GQA) that cut
-// ran 0.59x, so they keep every line)
-constexpr int kOneRowPfEvery = KVLM_ONE_ROW_PF_EVERY;
 
 // Lane x KB + y = q_x . k_y (+ qr_x . kr_y), for RB rows of q and qr interleaved by vectors (the 16 features
 // from d of row x at q + RB d + 16 x: one pointer for all rows, which leaves general registers for the loop;
@@ -70,7 +60,8 @@ inline __m512 score16(const float* q, const float* qr, const char* const* k,
     for (int i = 0; i < pls * (Dk16 / 16); ++i) _mm_prefetch(*pf++, KVLM_PF_HINT);
     for (int y = 0; y < KB; ++y) {  // the next tile's row y prefetched beside row y's loads (measured: 1.08-1.12x
                                     // faster than all 16 rows' lines issued at once, which fill the miss buffers)
-      if (pk && y % kOneRowPfEvery == 0) _mm_prefetch(pk[y], KVLM_PF_HINT);
+      if (pk)
+        for (int64_t d = 0; d < Dk16; d += line) _mm_prefetch(pk[y] + d * ES, KVLM_PF_HINT);
       for (int64_t d = 0; d < Dk16; d += 16) a[y] = _mm512_fmadd_ps(_mm512_load_ps(q + d), load<DT>(k[y] + d * ES), a[y]);
     }
   } else
@@ -138,10 +129,8 @@ inline void value_block(const float* p, int ps, const char* const* v, int n, int
     for (int z = 0; z < ZC; ++z)
       vv[z] = FULL ? load<DT>(v[j] + (d0 + 16 * z) * ES) : load<DT>(v[j] + (d0 + 16 * z) * ES, mk[z]);
     for (int i = 0; i < pls; ++i) _mm_prefetch(*pf++, KVLM_PF_HINT);
-    if (pv && RB > 1)
+    if (pv)
       for (int off = 0; off < 16 * ZC * ES; off += 64) _mm_prefetch(pv[j] + d0 * ES + off, KVLM_PF_HINT);
-    else if (pv && d0 == 0 && j % kOneRowPfEvery == 0)
-      _mm_prefetch(pv[j], KVLM_PF_HINT);
     for (int x = 0; x < RB; ++x) {
       const __m512 px = _mm512_set1_ps(p[x * ps + j]);
       for (int z = 0; z < ZC; ++z) a[x][z] = _mm512_fmadd_ps(px, vv[z], a[x][z]);
