@@ -4,8 +4,8 @@ at the same thread count (kvlm.bench.hardware). With ``--baseline REV`` the kern
 are built too (a separate extension) and both are timed interleaved in one process: medians of ``--repeats``
 alternating rounds, so a busy shared machine slows both alike; base/new is the median over the rounds of the
 ratio of the two runs of a round. The cache pools are in 2 MiB pages, as the model's caches are (before
-2026-11-28 13:00 they were in 4 KiB pages: ``--small-pages``; interleaved, 2 MiB pages ran MLA and GQA-3 1.05-1.12x
-and MHA 0.92-0.93x as fast, benchmarks/decode-limit.md).
+2026-11-28 13:00 they were in 4 KiB pages, as ``KVLM_HUGE_PAGES=0`` still gives them; interleaved, 2 MiB pages
+ran MLA and GQA-3 1.05-1.12x and MHA 0.92-0.93x as fast, benchmarks/decode-limit.md).
 
     OMP_NUM_THREADS=2 python benchmarks/kernel_micro.py --baseline HEAD     # ~1 min after the builds
     OMP_NUM_THREADS=2 python benchmarks/kernel_micro.py --baseline HEAD --define KVLM_NO_PREFETCH   # a build knob
@@ -32,7 +32,6 @@ from kvlm.kernels import cpu
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = "kvlm/kernels/csrc"
-HUGE_PAGES = True  # the pools in 2 MiB pages (main: --small-pages turns it off)
 
 # (name, query heads, KV groups, latent width (0: not latent), head / latent width, RoPE width, cache dtype)
 CASES = [
@@ -67,14 +66,14 @@ def build_baseline(rev: str, defines: tuple[str, ...] = ()):
 
 
 def in_huge_pages(t: torch.Tensor) -> torch.Tensor:
-    """t copied into 2 MiB pages, as the model's caches are (kvlm.hugepages; the hardware prefetchers stop at
-    page boundaries, so a pool in 4 KiB pages is read differently)."""
-    return zeros_in_huge_pages(tuple(t.shape), t.dtype).copy_(t) if HUGE_PAGES else t
+    """t copied into 2 MiB pages, as the model's caches are (kvlm.hugepages, which ``KVLM_HUGE_PAGES=0`` turns off;
+    the hardware prefetchers stop at page boundaries, so a pool in 4 KiB pages is read differently)."""
+    return zeros_in_huge_pages(tuple(t.shape), t.dtype).copy_(t)
 
 
 def make_case(name, H, G, latent, D, dR, store, B, S, T, seed=0):
     """Arguments of decode_attention for one layer: B sequences of S cached tokens, contiguous (one page each),
-    the pools in 2 MiB pages as the model's caches (``--small-pages``: 4 KiB pages, as this script had them)."""
+    the pools in 2 MiB pages as the model's caches (``in_huge_pages``)."""
     gen = torch.Generator().manual_seed(seed)
     table = torch.arange(B, dtype=torch.int32)[:, None]
     start, end = torch.zeros(B, dtype=torch.int32), torch.full((B,), S, dtype=torch.int32)
@@ -118,10 +117,7 @@ def main() -> None:
                     help="distinct caches, called in turn, so that a layer is not read from the last level cache")
     ap.add_argument("--cases", default=",".join(c[0] for c in CASES if c[0] != "mla-T2"))
     ap.add_argument("--no-hardware", action="store_true", help="skip the bandwidth / peak measurement")
-    ap.add_argument("--small-pages", action="store_true", help="the pools in 4 KiB pages, not 2 MiB ones")
     a = ap.parse_args()
-    global HUGE_PAGES
-    HUGE_PAGES = not a.small_pages
     threads = torch.get_num_threads()
     mods = {"new": cpu.extension()}
     if mods["new"] is None:
