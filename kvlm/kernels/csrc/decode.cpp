@@ -94,8 +94,8 @@ at::Tensor run(const Job& J, const at::Tensor& q, const at::Tensor& q_rope, int6
   auto out = at::empty({B, G, R, Dv}, q.options());
   T* o = out.data_ptr<T>();
   // padded, aligned copies of the queries, (B, G, Rp, Dkp) and (B, G, Rp, Drp), and the items' partials below in
-  // the calling thread's scratch (slots past the work items'): allocated per call and zeroed whole, these were a
-  // third, then (the memsets alone, ~200 KB at MLA's batch 8) a quarter of a short call
+  // the calling thread's scratch (slots past the work items'), zeroed only where read before written: allocated
+  // and zeroed whole per call, they were a third of a short call
   T* qpad = padded_rows<T>(q, kCallSlot, Rp, J.Dkp);
   T* qrpad = J.Dr ? padded_rows<T>(q_rope, kCallSlot + 1, Rp, J.Drp) : kvlm_decode::scratch_array<T>(kCallSlot + 1, 1);
   // per sequence: the key range read, and each row's visible slots [lo, hi]
@@ -128,13 +128,12 @@ at::Tensor run(const Job& J, const at::Tensor& q, const at::Tensor& q_rope, int6
       const int64_t chunk = round_up((len + n_split - 1) / n_split, kTile);
       const int64_t j0 = a + sp * chunk, j1 = std::min(e, j0 + chunk);
       T* acc = pacc + it * Rp * Dvp;
-      if (j0 < j1) {
-        std::fill(acc, acc + Rp * Dvp, T(0));  // here, not per call: in this thread's cache, where it is used
+      std::fill(acc, acc + Rp * Dvp, T(0));  // here, not per call: in this thread's cache, where it is used
+      if (j0 < j1)
         attend_range<T>(J, qpad + bg * Rp * J.Dkp, qrpad + bg * Rp * J.Drp, b, g, j0, j1, lo.data() + b * R,
                         hi.data() + b * R, pm + it * Rp, pl + it * Rp, acc);
-      }
       if (n_split == 1)  // nothing to merge: the item writes its rows of the output
-        for (int64_t r = 0; r < R; ++r) normalise(bg, r, acc + r * Dvp, j0 < j1 ? pl[it * Rp + r] : T(0));
+        for (int64_t r = 0; r < R; ++r) normalise(bg, r, acc + r * Dvp, pl[it * Rp + r]);
     }
   });
   if (n_split == 1) return out;

@@ -14,9 +14,10 @@ constexpr int kScratchSlots = 13;
 constexpr size_t kScratchKeepBytes = size_t(1) << 20;  // a buffer past this is freed by the next smaller request
 
 // `bytes` of 64-byte-aligned memory for buffer `slot` of the calling thread, zeroed unless `zero` is false (a
-// buffer its user writes whole before reading: the memset of every buffer of a call touched ~200 KB at MLA's
-// batch 8, a third of a short call): valid until this thread asks for the same slot again. Each buffer grows to the largest request and is kept for the thread's life, up
-// to kScratchKeepBytes: a larger one (a prefill-sized call of many query rows) lasts until a smaller request.
+// buffer its user writes whole before reading: zeroing every buffer touched ~200 KB a call at MLA's batch 8),
+// valid until this thread asks for the same slot again. Each buffer grows to the largest request and is kept for
+// the thread's life, up to kScratchKeepBytes: a larger one (a prefill-sized call of many query rows) lasts until
+// a smaller request.
 inline void* scratch(int slot, size_t bytes, bool zero = true) {
   struct alignas(64) Block {
     unsigned char b[64];
