@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvlm.attention import Attention, GateEmbedding, Step, get_attention_class
-from kvlm.attention.base import GroupPacking, Linear
+from kvlm.attention.base import GroupPacking, Linear, hooked
 from kvlm.attention.norm import RMSNorm
 from kvlm.cache import CacheError, KVCache
 from kvlm.config import ModelConfig
@@ -92,8 +92,29 @@ class Block(nn.Module):
         self.dropout = Dropout(cfg.dropout)
 
     def forward(self, x, step: Step, cache=None):
+        if cache is not None and not self.training:
+            weights = self.decode_block_weights()
+            decode_block = getattr(self.attn, "decode_block", None)  # a tensor-parallel wrapper has none
+            y = decode_block(x, step, cache, weights) if weights is not None and decode_block else None
+            if y is not None:
+                return y
         x = x + self.dropout(self.attn(self.attn_norm(x), step, cache))
         return x + self.mlp(self.mlp_norm(x))
+
+    def decode_block_weights(self) -> tuple | None:
+        """What ``Attention.decode_block`` needs of the rest of the block (RMSNorms of one eps, a bias-free SwiGLU
+        whose products run on the plain weights), or None where the block is not of that form."""
+        an, mn, mlp = self.attn_norm, self.mlp_norm, self.mlp
+        if type(an) is not RMSNorm or type(mn) is not RMSNorm or type(mlp) is not SwiGLU or an.eps != mn.eps:
+            return None
+        if hooked(self, an, mn, mlp, mlp.w1, mlp.w2, mlp.wo):  # their hooks fire only module by module
+            return None
+        if mlp.w1.bias is not None or mlp.w2.bias is not None or mlp.wo.bias is not None or mlp.wo.packed_first():
+            return None
+        group = mlp.__dict__.get("_decode_groups", {}).get(("w1", "w2"))
+        if group is not None and group.packed_first():
+            return None
+        return an.weight, mn.weight, an.eps, [mlp.w1.weight, mlp.w2.weight], mlp.wo.weight
 
     def forward_parts(self, x: torch.Tensor, parts: list[tuple[Step, object]], layer_idx: int) -> torch.Tensor:
         """x (N, d): the rows of several cache calls back to back (``KVLM.forward_parts``); parts: (step, view)

@@ -15,6 +15,7 @@ from kvlm.attention.linear import ANY_ROWS, PANELS, GroupPacking, Linear, packin
 from kvlm.bench.flops import CountFlops
 from kvlm.kernels import few_rows
 from kvlm.kernels.shared import LINEAR_CALLS
+from kvlm.model import Block
 
 
 @pytest.fixture(autouse=True)
@@ -333,10 +334,12 @@ def test_a_step_through_it_counts_the_same_flops(monkeypatch):
 
 
 @pytest.mark.parametrize("batch,layout", [(2, None), (12, None), (2, PANELS)])
-def test_the_compiled_step_runs_the_same_products_through_it(batch, layout):
+def test_the_compiled_step_runs_the_same_products_through_it(batch, layout, monkeypatch):
     """Under torch.compile the products go through the operator kvlm::packed_linear, which runs the kernel (at 12
     rows: as no packed copy serves them), or the panels first where the weights are packed in them: as many calls
-    as the eager step, the same logits."""
+    as the eager step module by module (the compiled step runs the modules; eagerly a block may be one call,
+    tests/test_decode_block.py), the same logits."""
+    monkeypatch.setattr(Block, "decode_block_weights", lambda self: None)
     torch.manual_seed(0)
     model = build_model(tiny_config("mla", kv_lora_rank=48, rope_head_dim=8, max_seq_len=32)).eval()
     counter = "few_rows" if layout is None else "panels"

@@ -226,18 +226,20 @@ def _decode(model, prompt, steps, mode="auto"):
 def test_model_decode_kernels_on_equals_off(attention, extra, counter, monkeypatch):
     """Whole-model decoding (prompt of 6 new tokens, then 5 single steps) with the kernels equals the plain path,
     and the decode layers do call the kernel: n_layer calls per model call (the counter fails if the dispatch
-    silently stops using it)."""
+    silently stops using it), a single step's either the attention kernel's or, where the whole block runs as
+    one call (kvlm.kernels.gqa_block / mla_block, whose attention is that kernel), the block's."""
     torch.manual_seed(0)
     cfg = tiny_config(attention, **extra)
     model = build_model(cfg).eval()
     prompt = torch.randint(0, cfg.vocab_size, (2, 6))
+    block = {"gqa_cpu": "gqa_block", "latent_cpu": "mla_block"}[counter]
     with torch.no_grad():
-        before = kernels.CALLS[counter]
+        before = kernels.CALLS[counter] + kernels.CALLS[block]
         on = _decode(model, prompt, 5)
         # 5 steps; the 6-token prefill too for MHA/GQA (6 <= MAX_NEW), while MLA's "auto" rule sends a prefill
         # into an empty cache down the expand route
         calls = 5 + (counter == "gqa_cpu")
-        assert kernels.CALLS[counter] - before == cfg.n_layer * calls
+        assert kernels.CALLS[counter] + kernels.CALLS[block] - before == cfg.n_layer * calls
         monkeypatch.setenv(kcpu.ENV, "0")
         before = sum(kernels.CALLS.values())
         off = _decode(model, prompt, 5)

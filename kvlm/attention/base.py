@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _nn_module
 
 from kvlm.attention.linear import ANY_ROWS, GroupPacking, Linear, PackedGroup  # noqa: F401 (re-exported)
 from kvlm.attention.step import MODES, Step, attend
@@ -47,6 +48,14 @@ class GateEmbedding(nn.Embedding):
     Eq. 3): a decode step gathers a few rows of it instead of streaming it, and eg-mla.md reports it apart
     from the activated parameters. The type is the declaration: ``KVLM.parameter_counts`` and the benchmarks
     recognise these tables by ``isinstance``, which ``copy.deepcopy`` and sharding keep."""
+
+
+def hooked(*modules: nn.Module) -> bool:
+    """Whether a forward call of any of ``modules`` would run hooks (their own or torch's global ones): a
+    decode path that computes them in one kernel call would skip those, so it declines."""
+    if _nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
 
 
 class Attention(nn.Module):
@@ -186,6 +195,13 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, step: Step, cache: CacheLayer | None = None) -> torch.Tensor:
         raise NotImplementedError
+
+    def decode_block(self, x: torch.Tensor, step: Step, cache: CacheLayer, block_weights: tuple) -> torch.Tensor | None:
+        """The whole pre-norm decoder block (this attention, then a SwiGLU MLP) in one kernel call at decode, or
+        None (the default: the block runs its modules one by one). block_weights: (attention norm weight, MLP
+        norm weight, eps, [W_1, W_2], W_O of the MLP), from ``kvlm.model.Block``, which also checks that no
+        module of the block has forward hooks (``hooked``): those run module by module, so their hooks fire."""
+        return None
 
     # --- tensor parallelism (applied by kvlm.parallel.tensor_parallel) ---------------------------------
     def tp_plan(self, rank: int, world: int) -> dict:

@@ -59,7 +59,7 @@ import torch.nn.functional as F
 
 from kvlm import kernels
 from kvlm.attention import register
-from kvlm.attention.base import Step, require
+from kvlm.attention.base import Step, hooked, require
 from kvlm.attention.latent import LatentAttention, check_latent_config
 from kvlm.attention.latent_ops import head_matmul, latent_attention
 from kvlm.attention.rope import apply_rope
@@ -236,6 +236,34 @@ class MLA(LatentAttention):
         if aw.b_uv is not None:
             o = o + aw.b_uv.view(H, 1, -1)
         return self.output(o, x)
+
+    def decode_block(self, x, step: Step, cache, block_weights: tuple) -> torch.Tensor | None:
+        """The block in one call of kvlm.kernels.mla_block on the absorbed route at one new token a sequence
+        (one latent, no query compression, no folds, no bias or output gate, one RoPE key, products on the plain
+        weights), else None: the same values as ``forward_absorbed`` and the modules around it one by one."""
+        if step.n_new != 1 or cache is None or self.q_lora_rank or self.separate or self.gate is not None:
+            return None
+        if self.cfg.bias or not self.rope_head_dim or self.rope_kv_heads != 1 or self.kv_norm is None:
+            return None
+        if hooked(self, self.wq, self.wkv_a, self.wo, self.kv_norm):
+            return None
+        if self.wq.packed_first() or self.wkv_a.packed_first() or self.wo.packed_first():
+            return None
+        if self.route(step, cache) != "absorbed":
+            return None
+        aw = self.absorbed_weights()
+        if aw.w_q is not None or aw.w_ov is not None or aw.b_uv is not None:
+            return None
+        attn_norm, mlp_norm, eps, w_up, w_down = block_weights
+        y = kernels.mla_block(
+            x, (attn_norm, mlp_norm, eps), self.wq.weight, self.wkv_a.weight,
+            (self.kv_norm.weight, self.kv_norm.eps, self.alpha_kv), (aw.w_uk, aw.w_uv), self.wo.weight,
+            (w_up, w_down), self.cos_sin(step, x.dtype), cache.block_view("c_kv", step),
+            cache.block_view("k_rope", step), self.scale,
+        )  # fmt: skip
+        if y is not None:
+            self.record_route(step, self.route_label("absorbed"))
+        return y
 
     def forward_absorbed(self, x: torch.Tensor, step: Step, cache, cs) -> torch.Tensor:
         """Write the new latents, then attend in latent space (mlra.md Sec. 2.1 Steps 1-3)."""

@@ -87,6 +87,14 @@ def rms_norm(*args, **kwargs):
     return None
 
 
+def gqa_block(*args, **kwargs):
+    return None
+
+
+def mla_block(*args, **kwargs):
+    return None
+
+
 def register_packed(*args, **kwargs):
     pass
 
@@ -129,7 +137,8 @@ def packed_linear(x, weights, biases):
 
 kernels = SimpleNamespace(
     CALLS=CALLS, FLOPS=FLOPS, MAX_NEW=MAX_NEW, KernelUnavailable=KernelUnavailable, ready=ready,
-    latent_decode=latent_decode, gqa_decode=gqa_decode, rms_norm=rms_norm,
+    latent_decode=latent_decode, gqa_decode=gqa_decode, rms_norm=rms_norm, gqa_block=gqa_block,
+    mla_block=mla_block,
 )
 '''
 FALLBACKS = {"kvlm.kernels": ("kvlm_kernels_fallback", _KERNELS_FALLBACK)}

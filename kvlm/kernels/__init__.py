@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvlm.kernels import cpu
+from kvlm.kernels import cpu, few_rows
 from kvlm.kernels.shared import (  # noqa: F401 (re-exported)
     CALLS,
     FLOPS,
@@ -327,6 +327,105 @@ def gqa_decode(
     return out.view(B, Hq, T, v.pool.shape[-1])
 
 
+def gqa_block(
+    x: torch.Tensor,
+    norms: tuple[torch.Tensor, torch.Tensor, float],
+    w_qkv: list[torch.Tensor],
+    w_o: torch.Tensor,
+    mlp: tuple[list[torch.Tensor], torch.Tensor],
+    rope: tuple[torch.Tensor, torch.Tensor],
+    k: BlockView,
+    v: BlockView,
+    n_head: int,
+    scale: float,
+) -> torch.Tensor | None:
+    """One pre-norm MHA / GQA / MQA decoder block with a SwiGLU MLP at one new token a sequence, in one call of
+    the extension (csrc/decode_block.h): x (B, 1, d) -> x1 + MLP(RMSNorm(x1)), x1 = x + attention(RMSNorm(x)),
+    the new token's K and V written into the pools at its slot first (where the attention kernel reads it).
+    norms: (attention norm weight, MLP norm weight, eps); w_qkv [W^Q, W^K, W^V]; mlp ([W_1, W_2], W_O); rope:
+    the whole-width tables (B, 1, 1, D) of ``Step.cos_sin``; k, v the layer's views (float32 pools, one page
+    table). None where it does not apply: more than ``FEW_ROWS`` sequences, another dtype or device, tensor
+    subclasses, autograd on, quantized or bf16 pools, kernels unavailable, under torch.compile; the caller then
+    runs the block's operators one by one, which compute the same."""
+    ext = cpu.extension()
+    if ext is None or not hasattr(ext, "gqa_block") or torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return None
+    if type(x) is not torch.Tensor or x.dtype is not torch.float32 or not x.is_cpu or x.dim() != 3:
+        return None
+    B = x.shape[0]
+    if x.shape[1] != 1 or not 0 < B <= few_rows.FEW_ROWS or not x.is_contiguous():  # its products'
+        return None
+    (w_up, w_down), cos, sin = mlp, *rope
+    for t in (*w_qkv, w_o, *w_up, w_down, norms[0], norms[1], cos, sin):
+        if type(t) not in PLAIN_TENSORS or t.dtype is not torch.float32 or not t.is_cpu or not t.is_contiguous():
+            return None
+    if k.scale is not None or v.scale is not None or k.pool.dtype is not torch.float32 or v.pool.dtype is not torch.float32:
+        return None
+    if _check_pool(x, k, "k") or _check_pool(x, v, "v") or k.pool.dim() != 4 or k.pool.shape != v.pool.shape:
+        return None
+    if not _same_pages(k, v) or cos.numel() != B * k.pool.shape[-1]:
+        return None
+    G, D = k.pool.shape[1], k.pool.shape[-1]
+    CALLS["gqa_block"] += 1  # one call, its attention gqa_decode's kernel
+    LINEAR_CALLS["few_rows"] += 4
+    count_flops("attention", 2 * n_head * 2 * D * _keys(k))
+    count_flops("linear", 2 * B * sum(w.numel() for w in (*w_qkv, w_o, *w_up, w_down)))
+    return ext.gqa_block(
+        x, norms[0], norms[1], norms[2], w_qkv, w_o, w_up, w_down, cos, sin, k.pool, v.pool, k.block_table,
+        k.start, k.end, n_head, scale, _splits(B * G, k),
+    )  # fmt: skip
+
+
+def mla_block(
+    x: torch.Tensor,
+    norms: tuple[torch.Tensor, torch.Tensor, float],
+    w_q: torch.Tensor,
+    w_kv_a: torch.Tensor,
+    latent_norm: tuple[torch.Tensor | None, float, float],
+    absorbed: tuple[torch.Tensor, torch.Tensor],
+    w_o: torch.Tensor,
+    mlp: tuple[list[torch.Tensor], torch.Tensor],
+    rope: tuple[torch.Tensor, torch.Tensor],
+    c_kv: BlockView,
+    k_rope: BlockView,
+    scale: float,
+) -> torch.Tensor | None:
+    """``gqa_block`` for MLA's absorbed route (csrc/decode_block.h): W^Q and W^DKV, RoPE, c_kv = alpha
+    RMSNorm(c) into the cache with k^R, q^C W~^UK, attention over the latent, z W~^UV, W^O, then the residual
+    and SwiGLU half. latent_norm: (kv_norm weight or None, its eps, alpha_kv); absorbed: (W~^UK (h, d_h, d_c),
+    W~^UV (h, d_c, d_h)). None where it does not apply (as ``gqa_block``, and head widths not multiples of 16)."""
+    ext = cpu.extension()
+    if ext is None or not hasattr(ext, "mla_block") or torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return None
+    if type(x) is not torch.Tensor or x.dtype is not torch.float32 or not x.is_cpu or x.dim() != 3:
+        return None
+    B = x.shape[0]
+    if x.shape[1] != 1 or not 0 < B <= few_rows.FEW_ROWS or not x.is_contiguous():  # its products'
+        return None
+    (w_up, w_down), (w_uk, w_uv), (kv_norm, kv_eps, alpha) = mlp, absorbed, latent_norm
+    tensors = (w_q, w_kv_a, w_uk, w_uv, w_o, *w_up, w_down, norms[0], norms[1], *rope)
+    for t in tensors if kv_norm is None else (*tensors, kv_norm):
+        if type(t) not in PLAIN_TENSORS or t.dtype is not torch.float32 or not t.is_cpu or not t.is_contiguous():
+            return None
+    if w_uk.shape[1] % 16 or w_uk.shape[2] % 16:  # the per-head products' output widths (d_c, d_h)
+        return None
+    for view in (c_kv, k_rope):
+        if view.scale is not None or view.pool.dtype is not torch.float32 or view.pool.dim() != 3:
+            return None
+    if _check_pool(x, c_kv, "c_kv") or _check_rope(x, k_rope, c_kv, "c_kv"):
+        return None
+    H, Dc = w_uk.shape[0], w_uk.shape[2]
+    CALLS["mla_block"] += 1  # one call, its attention latent_decode's kernel
+    LINEAR_CALLS["few_rows"] += 4
+    LINEAR_CALLS["head_products"] += 2
+    count_flops("attention", 2 * H * (2 * Dc + k_rope.pool.shape[-1]) * _keys(c_kv))
+    count_flops("linear", 2 * B * sum(w.numel() for w in (w_q, w_kv_a, w_uk, w_uv, w_o, *w_up, w_down)))
+    return ext.mla_block(
+        x, norms[0], norms[1], norms[2], w_q, w_kv_a, kv_norm, kv_eps, alpha, w_uk, w_uv, w_o, w_up, w_down,
+        *rope, c_kv.pool, k_rope.pool, c_kv.block_table, c_kv.start, c_kv.end, scale, _splits(B, c_kv),
+    )  # fmt: skip
+
+
 def _triton_reason(q: torch.Tensor) -> str | None:
     try:
         from kvlm.kernels import triton_decode
@@ -375,6 +474,8 @@ __all__ = [
     "MAX_NEW",
     "KernelUnavailable",
     "ready",
+    "gqa_block",
+    "mla_block",
     "gqa_decode",
     "latent_block_decode",
     "latent_decode",

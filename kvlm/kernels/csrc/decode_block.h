@@ -1,0 +1,199 @@
+// One pre-norm decoder block of MHA / GQA / MQA at decode (one new token a sequence), in one call (issue 15,
+// "the rest of the step"): the step's weight products and attention are kernels already, but the ~20 small
+// operators between them, and the Python around them, ran cold after each weight stream (2-13 MB a product)
+// had pushed their code and data out of the caches: ~190 us a layer for GQA-3 at the bench reference shape,
+// beside ~230 us of products. Here they are a few loops:
+//
+//   h = RMSNorm(x); [q k v] = h [W^Q; W^K; W^V]^T; q, k = RoPE(q), RoPE(k); the cache takes k, v at the new
+//   token's slot; o = attention(q, cache); x1 = x + o W^O^T; h2 = RMSNorm(x1);
+//   y = x1 + (SiLU(h2 W_1^T) * (h2 W_2^T)) W_O^T
+//
+// (kvlm.model.Block.forward, kvlm.attention.mha.MultiHeadAttention.forward and kvlm.model.SwiGLU.forward
+// compute the same; kvlm.kernels.gqa_block checks what this takes). Included by decode.cpp inside its
+// anonymous namespace, after decode_attention and rms_norm.
+
+// The new token's K or V rows, (B, G, D) at row stride `rs` of `src`, into the pool (N, G, P, D) at slot
+// end_b - 1 of each sequence: the place the attention kernel reads the token from (its block table).
+// (A latent's pool (N, P, D) has no group axis: G = 1.)
+inline void store_new_token(const float* src, int64_t rs, const at::Tensor& pool, const int32_t* table,
+                            int64_t max_blocks, const int32_t* end, int64_t B, int64_t G, int64_t D) {
+  const bool grouped = pool.dim() == 4;
+  const int64_t P = pool.size(-2), s_row = pool.stride(-2), s_group = grouped ? pool.stride(1) : 0;
+  float* dst = pool.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t s = end[b] - 1, page = table[b * max_blocks + s / P];
+    for (int64_t g = 0; g < G; ++g)
+      std::memcpy(dst + page * pool.stride(0) + g * s_group + (s % P) * s_row, src + b * rs + g * D,
+                  D * sizeof(float));
+  }
+}
+
+// The new token's slot of each sequence must be a page of the pool: checked before anything is written.
+inline void check_new_slots(const int32_t* table, int64_t max_blocks, const int32_t* end, int64_t B, int64_t P,
+                            int64_t n_pages) {
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t s = end[b] - 1;
+    TORCH_CHECK(s >= 0 && s < max_blocks * P, "decode block: sequence ", b, "'s new slot ", s,
+                " is outside its table");
+    const int64_t page = table[b * max_blocks + s / P];
+    TORCH_CHECK(page >= 0 && page < n_pages, "decode block: sequence ", b, "'s page ", page, " is not a page");
+  }
+}
+
+// x1 + (SiLU(h W_1^T) * (h W_2^T)) W_O^T with h = RMSNorm(x1): the SwiGLU half of a block (kvlm.model.SwiGLU)
+inline at::Tensor swiglu_residual(const at::Tensor& x1, const at::Tensor& mlp_norm, double eps,
+                                  const std::vector<at::Tensor>& w_up, const at::Tensor& w_down) {
+  const std::vector<c10::optional<at::Tensor>> none2(2), none1(1);
+  const int64_t B = x1.size(0), d = x1.size(2), F = w_up[0].size(0);
+  TORCH_CHECK(w_up[1].size(0) == F, "decode block: W_1 and W_2 must have as many rows");
+  auto up = few_rows::linear(rms_norm(x1, mlp_norm, eps), w_up, none2);  // (B, 1, 2F): [h W_1^T, h W_2^T]
+  auto u = at::empty({B, 1, F}, x1.options());
+  const float* upp = up.data_ptr<float>();
+  float* uptr = u.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = 0; i < F; ++i) {
+      const float a = upp[b * 2 * F + i];
+      uptr[b * F + i] = a / (1.0f + std::exp(-a)) * upp[b * 2 * F + F + i];
+    }
+  auto y = few_rows::linear(u, {w_down}, none1);
+  float* yp = y.data_ptr<float>();
+  const float* x1p = x1.data_ptr<float>();
+  for (int64_t i = 0; i < B * d; ++i) yp[i] += x1p[i];
+  return y;
+}
+
+// x + a, in a's storage
+inline at::Tensor add_residual(at::Tensor a, const at::Tensor& x) {
+  float* ap = a.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  for (int64_t i = 0; i < x.numel(); ++i) ap[i] += xp[i];
+  return a;
+}
+
+// RoPE of `heads` rows of D, `stride` apart, in place (Llama's half split): x [cos, cos] + roll(x, D / 2)
+// [-sin, sin], as kvlm.attention.rope.apply_rope's short form computes it (the same two products, then their sum)
+inline void rope_rows(float* x, int64_t heads, int64_t stride, int64_t D, const float* cos, const float* sin) {
+  const int64_t half = D / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    float* r = x + h * stride;
+    float rolled[512];
+    for (int64_t i = 0; i < D; ++i) rolled[i] = r[(i + half) % D];
+    for (int64_t i = 0; i < D; ++i) {
+      const float a = r[i] * cos[i], b = rolled[i] * sin[i];
+      r[i] = a + b;
+    }
+  }
+}
+
+at::Tensor gqa_block(const at::Tensor& x, const at::Tensor& attn_norm, const at::Tensor& mlp_norm, double eps,
+                     const std::vector<at::Tensor>& w_qkv, const at::Tensor& w_o, const std::vector<at::Tensor>& w_up,
+                     const at::Tensor& w_down, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_pool,
+                     const at::Tensor& v_pool, const at::Tensor& block_table, const at::Tensor& start,
+                     const at::Tensor& end, int64_t n_head, double scale, int64_t n_split) {
+  TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "gqa_block: x must be a contiguous float32 (B, 1, d) tensor (one new token a sequence)");
+  TORCH_CHECK(w_qkv.size() == 3 && w_up.size() == 2, "gqa_block: [W^Q, W^K, W^V] and [W_1, W_2]");
+  const int64_t B = x.size(0), G = k_pool.size(1), D = k_pool.size(3), H = n_head;
+  TORCH_CHECK(k_pool.scalar_type() == at::kFloat && v_pool.scalar_type() == at::kFloat && k_pool.dim() == 4 &&
+                  v_pool.sizes() == k_pool.sizes() && k_pool.stride(3) == 1 && v_pool.stride(3) == 1,
+              "gqa_block: K and V pools must be float32 (N, G, P, D) of one shape, contiguous in D");
+  TORCH_CHECK(H % G == 0 && D % 2 == 0 && D <= 512 && w_qkv[0].size(0) == H * D && w_qkv[1].size(0) == G * D &&
+                  w_qkv[2].size(0) == G * D,
+              "gqa_block: W^Q, W^K, W^V must have ", H, " and ", G, " heads of ", D, " rows");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.numel() == B * D && sin.numel() == B * D,
+              "gqa_block: cos, sin must be contiguous float32 (B, 1, 1, D) whole-width tables");
+  auto table = check_table(block_table, "block_table");
+  auto en = check_table(end, "end");
+  TORCH_CHECK(table.dim() == 2 && table.size(0) == B && en.numel() == B, "gqa_block: tables must have B rows");
+  const int32_t* tp = table.data_ptr<int32_t>();
+  const int32_t* ep = en.data_ptr<int32_t>();
+  const int64_t max_blocks = table.size(1), P = k_pool.size(2);
+  check_new_slots(tp, max_blocks, ep, B, P, k_pool.size(0));
+  const std::vector<c10::optional<at::Tensor>> none3(3), none1(1);
+  const int64_t row = (H + 2 * G) * D;
+
+  auto qkv = few_rows::linear(rms_norm(x, attn_norm, eps), w_qkv, none3);  // (B, 1, (H + 2G) D)
+  float* qkvp = qkv.data_ptr<float>();
+  for (int64_t b = 0; b < B; ++b) rope_rows(qkvp + b * row, H + G, D, D, cos.data_ptr<float>() + b * D,
+                                            sin.data_ptr<float>() + b * D);  // q's heads and k's, adjacent
+  store_new_token(qkvp + H * D, row, k_pool, tp, max_blocks, ep, B, G, D);
+  store_new_token(qkvp + (H + G) * D, row, v_pool, tp, max_blocks, ep, B, G, D);
+
+  // queries (B, G, H / G, D): a view of the product's rows (the kernel copies its rows in any stride)
+  auto q = qkv.view({B, H + 2 * G, D}).narrow(1, 0, H).view({B, G, H / G, D});
+  auto o = decode_attention(q, c10::nullopt, k_pool, c10::nullopt, v_pool, c10::nullopt, c10::nullopt, table, start,
+                            en, P, 1, scale, n_split);  // (B, G, H / G, D) = heads in order
+  auto x1 = add_residual(few_rows::linear(o.view({B, 1, H * D}), {w_o}, none1), x);
+  return swiglu_residual(x1, mlp_norm, eps, w_up, w_down);
+}
+
+// The same for MLA's absorbed route (mlra.md Sec. 2.1; kvlm.attention.mla.MLA.forward_absorbed): q = h W^Q^T
+// and [c, k_R] = h W^DKV^T as one product; q^R, k^R RoPE'd; c_kv = alpha RMSNorm(c) (Eq. 41); the cache takes
+// c_kv and k^R; q~ = q^C W~^UK per head; z = attention in latent space; o = z W~^UV per head; then W^O, the
+// residual and the SwiGLU half as above. kv_norm (d_c,) or undefined (no latent norm).
+at::Tensor mla_block(const at::Tensor& x, const at::Tensor& attn_norm, const at::Tensor& mlp_norm, double eps,
+                     const at::Tensor& w_q, const at::Tensor& w_kv_a, const c10::optional<at::Tensor>& kv_norm,
+                     double kv_eps, double alpha_kv, const at::Tensor& w_uk, const at::Tensor& w_uv,
+                     const at::Tensor& w_o, const std::vector<at::Tensor>& w_up, const at::Tensor& w_down,
+                     const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& ckv_pool, const at::Tensor& kr_pool,
+                     const at::Tensor& block_table, const at::Tensor& start, const at::Tensor& end, double scale,
+                     int64_t n_split) {
+  TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "mla_block: x must be a contiguous float32 (B, 1, d) tensor (one new token a sequence)");
+  const int64_t B = x.size(0), H = w_uk.size(0), dh = w_uk.size(1), dc = w_uk.size(2), dr = kr_pool.size(-1);
+  TORCH_CHECK(w_uv.dim() == 3 && w_uv.size(0) == H && w_uv.size(1) == dc && w_uv.size(2) == dh,
+              "mla_block: W~^UK (h, d_h, d_c) and W~^UV (h, d_c, d_h)");
+  TORCH_CHECK(w_q.size(0) == H * (dh + dr) && w_kv_a.size(0) == dc + dr && dr % 2 == 0 && dr <= 512,
+              "mla_block: W^Q must have h (d_h + d_R) rows and W^DKV d_c + d_R");
+  TORCH_CHECK(ckv_pool.dim() == 3 && kr_pool.dim() == 3 && ckv_pool.size(-1) == dc &&
+                  ckv_pool.scalar_type() == at::kFloat && kr_pool.scalar_type() == at::kFloat &&
+                  ckv_pool.size(1) == kr_pool.size(1) && ckv_pool.size(0) == kr_pool.size(0) &&
+                  ckv_pool.stride(2) == 1 && kr_pool.stride(2) == 1,
+              "mla_block: c_kv and k_rope pools must be float32 (N, P, d_c) and (N, P, d_R) on one page table");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.numel() == B * dr && sin.numel() == B * dr,
+              "mla_block: cos, sin must be contiguous float32 (B, 1, 1, d_R) whole-width tables");
+  const bool has_norm = kv_norm.has_value() && kv_norm->defined();
+  TORCH_CHECK(!has_norm || (kv_norm->numel() == dc && kv_norm->scalar_type() == at::kFloat && kv_norm->is_contiguous()),
+              "mla_block: kv_norm must be a float32 vector of d_c");
+  auto table = check_table(block_table, "block_table");
+  auto en = check_table(end, "end");
+  TORCH_CHECK(table.dim() == 2 && table.size(0) == B && en.numel() == B, "mla_block: tables must have B rows");
+  const int32_t* tp = table.data_ptr<int32_t>();
+  const int32_t* ep = en.data_ptr<int32_t>();
+  const int64_t max_blocks = table.size(1), P = ckv_pool.size(1);
+  check_new_slots(tp, max_blocks, ep, B, P, ckv_pool.size(0));
+  const std::vector<c10::optional<at::Tensor>> none2(2), none1(1);
+  const int64_t qw = H * (dh + dr), row = qw + dc + dr;
+
+  auto qkv = few_rows::linear(rms_norm(x, attn_norm, eps), {w_q, w_kv_a}, none2);  // (B, 1, h (d_h + d_R) + d_c + d_R)
+  float* p = qkv.data_ptr<float>();
+  auto c_kv = at::empty({B, dc}, x.options());
+  float* cp = c_kv.data_ptr<float>();
+  const float alpha = static_cast<float>(alpha_kv);
+  for (int64_t b = 0; b < B; ++b) {
+    float* r = p + b * row;
+    const float* cb = cos.data_ptr<float>() + b * dr;
+    const float* sb = sin.data_ptr<float>() + b * dr;
+    rope_rows(r + dh, H, dh + dr, dr, cb, sb);  // q^R of every head
+    rope_rows(r + qw + dc, 1, dr, dr, cb, sb);  // k^R
+    if (has_norm)
+      rms_norm_rows<float>(r + qw, kv_norm->data_ptr<float>(), cp + b * dc, 1, dc, kv_eps);
+    else
+      std::memcpy(cp + b * dc, r + qw, dc * sizeof(float));
+    if (alpha != 1.0f)
+      for (int64_t i = 0; i < dc; ++i) cp[b * dc + i] *= alpha;
+  }
+  store_new_token(cp, dc, ckv_pool, tp, max_blocks, ep, B, 1, dc);
+  store_new_token(p + qw + dc, row, kr_pool, tp, max_blocks, ep, B, 1, dr);
+
+  auto q = qkv.view({B, row}).narrow(1, 0, qw).view({B, H, dh + dr});
+  auto q_lat = few_rows::head_products(q.narrow(2, 0, dh).transpose(0, 1), w_uk);  // (B, h, d_c)
+  auto pool = ckv_pool.unsqueeze(1);
+  auto z = decode_attention(q_lat.view({B, 1, H, dc}), q.narrow(2, dh, dr).view({B, 1, H, dr}), pool, c10::nullopt,
+                            pool, c10::nullopt, kr_pool, table, start, en, P, 1, scale, n_split);  // (B, 1, h, d_c)
+  auto o = few_rows::head_products(z.view({B, H, dc}).transpose(0, 1), w_uv);  // (B, h, d_h)
+  auto x1 = add_residual(few_rows::linear(o.view({B, 1, H * dh}), {w_o}, none1), x);
+  return swiglu_residual(x1, mlp_norm, eps, w_up, w_down);
+}
