@@ -120,6 +120,15 @@ class Block(nn.Module):
         """x (N, d): the rows of several cache calls back to back (``KVLM.forward_parts``); parts: (step, view)
         of each, in that order. Attention runs per call through its view's layer ``layer_idx``; the norms and
         the MLP run once on all N rows."""
+        if len(parts) == 1 and not self.training:  # one call (the engine's decode-only step): as ``forward``
+            step, view = parts[0]
+            weights = self.decode_block_weights()
+            decode_block = getattr(self.attn, "decode_block", None)
+            if weights is not None and decode_block is not None and step.n_new == 1:
+                view.activate()
+                y = decode_block(x.view(x.shape[0], 1, -1), step, view.layers[layer_idx], weights)
+                if y is not None:
+                    return y.view(x.shape)
         h = self.attn_norm(x)
         out, i = [], 0
         for step, view in parts:

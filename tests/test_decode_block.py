@@ -185,3 +185,32 @@ def test_hooks_on_a_module_of_the_block_still_fire():
     finally:
         handle.remove()
     assert fused == 2 and len(seen) == 3  # layer 0 in one call; layer 1 module by module: prefill and 2 steps
+
+
+@pytest.mark.parametrize("attention,extra", [("gqa", dict(n_kv_head=2)), ("mla", MLA)])
+def test_the_engines_one_call_steps_take_the_block(attention, extra):
+    """``forward_parts`` with one call (the serving engine's decode-only step, a ``PagedBatch``; and a
+    ``PackedBatch`` of one-token rows, a prompt chunk's tokens each a row) runs the block in one call, with the
+    logits of each sequence alone through its own cache."""
+    from conftest import twin_paged_caches
+
+    from kvlm.cache.paged_batch import PackedBatch
+
+    model = _model(attention, **extra)
+    g = torch.Generator().manual_seed(6)
+    # at least 4 cached tokens a sequence: MLA's "auto" (what forward_parts runs) takes the absorbed route
+    cached = [torch.randint(0, 101, (n,), generator=g) for n in (5, 9, 6)]
+    with torch.inference_mode():
+        alone, parts = twin_paged_caches(model, cached)
+        new = torch.randint(0, 101, (3,), generator=g)
+        want = torch.stack([model(new[i].view(1, 1), cache=alone.batch([i]))[0, -1] for i in range(3)])
+        kernels.CALLS.clear()
+        got = model.forward_parts([(new[:, None], parts.batch([0, 1, 2]))], [0, 1, 2])
+        assert kernels.CALLS["gqa_block"] + kernels.CALLS["mla_block"] == model.cfg.n_layer
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+        chunk = torch.randint(0, 101, (4,), generator=g)  # four tokens of sequence 0, one row each
+        want = model(chunk[None], cache=alone.batch([0]))[0]
+        kernels.CALLS.clear()
+        got = model.forward_parts([(chunk[:, None], PackedBatch(parts, [0], [4]))], [0, 1, 2, 3])
+        assert kernels.CALLS["gqa_block"] + kernels.CALLS["mla_block"] == model.cfg.n_layer
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
