@@ -102,19 +102,20 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
     def decode_block_weights(self) -> tuple | None:
-        """What ``Attention.decode_block`` needs of the rest of the block (RMSNorms of one eps, a bias-free SwiGLU
-        whose products run on the plain weights), or None where the block is not of that form."""
+        """What ``Attention.decode_block`` needs of the rest of the block (RMSNorms of one eps, a bias-free SwiGLU):
+        the norms' weights, eps, [W_1, W_2], W_O and the panels of its two products where they go first (else
+        None), or None where the block is not of that form."""
         an, mn, mlp = self.attn_norm, self.mlp_norm, self.mlp
         if type(an) is not RMSNorm or type(mn) is not RMSNorm or type(mlp) is not SwiGLU or an.eps != mn.eps:
             return None
         if hooked(self, an, mn, mlp, mlp.w1, mlp.w2, mlp.wo):  # their hooks fire only module by module
             return None
-        if mlp.w1.bias is not None or mlp.w2.bias is not None or mlp.wo.bias is not None or mlp.wo.packed_first():
+        if mlp.w1.bias is not None or mlp.w2.bias is not None or mlp.wo.bias is not None:
             return None
-        group = mlp.__dict__.get("_decode_groups", {}).get(("w1", "w2"))
-        if group is not None and group.packed_first():
-            return None
-        return an.weight, mn.weight, an.eps, [mlp.w1.weight, mlp.w2.weight], mlp.wo.weight
+        (up_ok, up_panels), (down_ok, down_panels) = mlp.group_panels(("w1", "w2")), mlp.wo.first_panels()
+        if not (up_ok and down_ok):
+            return None  # panels that would go first are stale: module by module
+        return an.weight, mn.weight, an.eps, [mlp.w1.weight, mlp.w2.weight], mlp.wo.weight, up_panels, down_panels
 
     def forward_parts(self, x: torch.Tensor, parts: list[tuple[Step, object]], layer_idx: int) -> torch.Tensor:
         """x (N, d): the rows of several cache calls back to back (``KVLM.forward_parts``); parts: (step, view)

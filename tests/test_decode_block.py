@@ -171,7 +171,7 @@ def test_a_slot_outside_the_pool_is_an_error_and_writes_nothing():
                 torch.zeros(1, 1, 128), block.attn_norm.weight, block.mlp_norm.weight, 1e-5,
                 [attn.wq.weight, attn.wk.weight, attn.wv.weight], attn.wo.weight,
                 [block.mlp.w1.weight, block.mlp.w2.weight], block.mlp.wo.weight,
-                *step.cos_sin(attn.rope, torch.float32), k.pool, v.pool, bad, k.start, k.end, 4, 0.125, 1,
+                *step.cos_sin(attn.rope, torch.float32), k.pool, v.pool, bad, k.start, k.end, 4, 0.125, 1, [None] * 4,
             )  # fmt: skip
         assert torch.equal(k.pool, before[0]) and torch.equal(v.pool, before[1])
 
@@ -214,3 +214,34 @@ def test_the_engines_one_call_steps_take_the_block(attention, extra):
         got = model.forward_parts([(chunk[:, None], PackedBatch(parts, [0], [4]))], [0, 1, 2, 3])
         assert kernels.CALLS["gqa_block"] + kernels.CALLS["mla_block"] == model.cfg.n_layer
         torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("attention,extra", [("gqa", dict(n_kv_head=2)), ("mla", MLA)])
+def test_block_kernel_reads_the_panels_where_they_go_first(monkeypatch, attention, extra):
+    """Weights packed in the few-row kernel's panels (``pack_for_decode(PANELS)``, what ``generate`` packs at 2-8
+    rows where they measured faster): the block reads them, with the logits of the modules one by one."""
+    from kvlm.attention.linear import PANELS
+    from kvlm.kernels.shared import LINEAR_CALLS
+
+    model = _model(attention, **extra)
+    assert model.pack_for_decode(PANELS) > 0
+    tokens = torch.randint(0, 101, (3, 10), generator=torch.Generator().manual_seed(7))
+    mode = "absorbed" if attention == "mla" else "auto"
+    before = LINEAR_CALLS["panels"]
+    got, fused = _decode(model, tokens, 7, mode)
+    assert fused == 3 * model.cfg.n_layer
+    assert LINEAR_CALLS["panels"] - before >= 3 * model.cfg.n_layer * 4  # every product of every block
+    _unfused(monkeypatch)
+    want, fused = _decode(model, tokens, 7, mode)
+    assert fused == 0
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with torch.inference_mode():
+        torch.testing.assert_close(got, model(tokens)[:, 7:], rtol=2e-5, atol=2e-5)
+    monkeypatch.undo()
+    for m in model.modules():  # the panels zeroed: a block that reads them now computes something else
+        for group in m.__dict__.get("_decode_groups", {}).values():
+            group.packed.zero_()
+        if getattr(m, "_packed", None) is not None and m is not model.lm_head:
+            m._packed[1].zero_()
+    zeroed, fused = _decode(model, tokens, 7, mode)
+    assert fused == 3 * model.cfg.n_layer and not torch.allclose(zeroed, got, rtol=1e-3, atol=1e-3)

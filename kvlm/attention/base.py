@@ -199,7 +199,8 @@ class Attention(nn.Module):
     def decode_block(self, x: torch.Tensor, step: Step, cache: CacheLayer, block_weights: tuple) -> torch.Tensor | None:
         """The whole pre-norm decoder block (this attention, then a SwiGLU MLP) in one kernel call at decode, or
         None (the default: the block runs its modules one by one). block_weights: (attention norm weight, MLP
-        norm weight, eps, [W_1, W_2], W_O of the MLP), from ``kvlm.model.Block``, which also checks that no
+        norm weight, eps, [W_1, W_2], W_O of the MLP, the panels of its two products or None), from
+        ``kvlm.model.Block``, which also checks that no
         module of the block has forward hooks (``hooked``): those run module by module, so their hooks fire."""
         return None
 

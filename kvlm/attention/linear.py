@@ -185,6 +185,16 @@ class Linear(nn.Linear):
         """Whether the packed copy goes before the few-row kernel on the plain weight (``PANELS``)."""
         return self._packed is not None and self._packed[0][2] == PANELS
 
+    def first_panels(self) -> tuple[bool, torch.Tensor | None]:
+        """For a product in C++ (kvlm.kernels.gqa_block): (True, the panels) where they go first, (True, None)
+        where the plain weight does, (False, None) where the panels would but are stale or there is a bias."""
+        if not self.packed_first():
+            return True, None
+        w = self.weight
+        if self._packed[0] != (w.data_ptr(), _version(w), PANELS) or self.bias is not None:
+            return False, None
+        return True, self._packed[1]
+
     def train(self, mode: bool = True):
         if mode:
             self._packed = None
@@ -308,6 +318,14 @@ class PackedGroup:
         """Whether the packed copy goes before the few-row kernel on the plain weight (``PANELS``)."""
         return self.rows == PANELS
 
+    def first_panels(self, linears: list[Linear]) -> tuple[bool, torch.Tensor | None]:
+        """As ``Linear.first_panels``, for the group's one product."""
+        if not self.packed_first():
+            return True, None
+        if self._key([m.weight for m in linears], PANELS) != self.key or self.bias is not None:
+            return False, None
+        return True, self.packed
+
     @staticmethod
     def _key(weights: list[torch.Tensor], rows: int | str) -> tuple:
         return tuple((w.data_ptr(), _version(w)) for w in weights) + (rows,)
@@ -357,6 +375,11 @@ class GroupPacking(nn.Module):
                 covered += linears
         self.__dict__["_decode_groups"] = groups
         return covered
+
+    def group_panels(self, names: tuple[str, ...]) -> tuple[bool, torch.Tensor | None]:
+        """``PackedGroup.first_panels`` of the group ``names`` ((True, None) where it is not packed)."""
+        group = self.__dict__.get("_decode_groups", {}).get(names)
+        return (True, None) if group is None else group.first_panels([getattr(self, n) for n in names])
 
     def group_outputs(self, names: tuple[str, ...], x: torch.Tensor) -> list[torch.Tensor] | None:
         """The outputs of the Linears ``names`` on x as one product: by the few-row kernel where it applies, else

@@ -84,20 +84,21 @@ class MultiHeadAttention(Attention, GroupPacking):
 
     def decode_block(self, x, step: Step, cache: CacheLayer, block_weights: tuple) -> torch.Tensor | None:
         """The block in one call of kvlm.kernels.gqa_block at one new token a sequence (RoPE, no bias, no output
-        gate, the products on the plain weights: no packed copy that goes first), else None. The same values as
+        gate; each product on its panels where they go first, else on the plain weights), else None. The same values as
         the modules one by one: what runs between the step's kernels costs ~190 us a layer there."""
         if step.n_new != 1 or self.rope is None or self.gate is not None or self.cfg.bias:
             return None
         if hooked(self, self.wq, self.wk, self.wv, self.wo):
             return None
-        group = self.__dict__.get("_decode_groups", {}).get(("wq", "wk", "wv"))
-        if (group is not None and group.packed_first()) or self.wo.packed_first():
+        (qkv_ok, qkv_panels), (o_ok, o_panels) = self.group_panels(("wq", "wk", "wv")), self.wo.first_panels()
+        if not (qkv_ok and o_ok):
             return None
-        attn_norm, mlp_norm, eps, w_up, w_down = block_weights
+        attn_norm, mlp_norm, eps, w_up, w_down, up_panels, down_panels = block_weights
         y = kernels.gqa_block(
             x, (attn_norm, mlp_norm, eps), [self.wq.weight, self.wk.weight, self.wv.weight], self.wo.weight,
             (w_up, w_down), step.cos_sin(self.rope, x.dtype), cache.block_view("k", step),
             cache.block_view("v", step), self.n_head, softmax_scale(self.head_dim),
+            [qkv_panels, o_panels, up_panels, down_panels],
         )  # fmt: skip
         if y is not None:
             self.record_route(step, "plain")

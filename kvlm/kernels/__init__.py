@@ -338,15 +338,18 @@ def gqa_block(
     v: BlockView,
     n_head: int,
     scale: float,
+    panels: list[torch.Tensor | None] | None = None,
 ) -> torch.Tensor | None:
     """One pre-norm MHA / GQA / MQA decoder block with a SwiGLU MLP at one new token a sequence, in one call of
     the extension (csrc/decode_block.h): x (B, 1, d) -> x1 + MLP(RMSNorm(x1)), x1 = x + attention(RMSNorm(x)),
     the new token's K and V written into the pools at its slot first (where the attention kernel reads it).
     norms: (attention norm weight, MLP norm weight, eps); w_qkv [W^Q, W^K, W^V]; mlp ([W_1, W_2], W_O); rope:
     the whole-width tables (B, 1, 1, D) of ``Step.cos_sin``; k, v the layer's views (float32 pools, one page
-    table). None where it does not apply: more than ``FEW_ROWS`` sequences, another dtype or device, tensor
-    subclasses, autograd on, quantized or bf16 pools, kernels unavailable, under torch.compile; the caller then
-    runs the block's operators one by one, which compute the same."""
+    table); panels: of the 4 products ([W^Q; W^K; W^V], W^O, [W_1; W_2], W_O of the MLP), each the weights'
+    panels (``few_rows.pack_panels``) or None (the plain weights). None where it does not apply: more than
+    ``FEW_ROWS`` sequences, another dtype or device, tensor subclasses, autograd on, quantized or bf16 pools,
+    kernels unavailable, under torch.compile; the caller then runs the block's operators one by one, which
+    compute the same."""
     ext = cpu.extension()
     if ext is None or not hasattr(ext, "gqa_block") or torch.is_grad_enabled() or torch.compiler.is_compiling():
         return None
@@ -366,14 +369,21 @@ def gqa_block(
     if not _same_pages(k, v) or cos.numel() != B * k.pool.shape[-1]:
         return None
     G, D = k.pool.shape[1], k.pool.shape[-1]
+    panels = panels if panels is not None else [None] * 4
     CALLS["gqa_block"] += 1  # one call, its attention gqa_decode's kernel
-    LINEAR_CALLS["few_rows"] += 4
+    _count_products(panels)
     count_flops("attention", 2 * n_head * 2 * D * _keys(k))
     count_flops("linear", 2 * B * sum(w.numel() for w in (*w_qkv, w_o, *w_up, w_down)))
     return ext.gqa_block(
         x, norms[0], norms[1], norms[2], w_qkv, w_o, w_up, w_down, cos, sin, k.pool, v.pool, k.block_table,
-        k.start, k.end, n_head, scale, _splits(B * G, k),
+        k.start, k.end, n_head, scale, _splits(B * G, k), panels,
     )  # fmt: skip
+
+
+def _count_products(panels: list) -> None:
+    """A block kernel's weight products in the few-row kernel's call counters: on panels or the plain weights."""
+    for p in panels:
+        LINEAR_CALLS["panels" if p is not None else "few_rows"] += 1
 
 
 def mla_block(
@@ -389,11 +399,13 @@ def mla_block(
     c_kv: BlockView,
     k_rope: BlockView,
     scale: float,
+    panels: list[torch.Tensor | None] | None = None,
 ) -> torch.Tensor | None:
     """``gqa_block`` for MLA's absorbed route (csrc/decode_block.h): W^Q and W^DKV, RoPE, c_kv = alpha
     RMSNorm(c) into the cache with k^R, q^C W~^UK, attention over the latent, z W~^UV, W^O, then the residual
     and SwiGLU half. latent_norm: (kv_norm weight or None, its eps, alpha_kv); absorbed: (W~^UK (h, d_h, d_c),
-    W~^UV (h, d_c, d_h)). None where it does not apply (as ``gqa_block``, and head widths not multiples of 16)."""
+    W~^UV (h, d_c, d_h)); panels: of its 5 products (W^Q, W^DKV, W^O, [W_1; W_2], W_O of the MLP), as
+    ``gqa_block``'s. None where it does not apply (as ``gqa_block``, and head widths not multiples of 16)."""
     ext = cpu.extension()
     if ext is None or not hasattr(ext, "mla_block") or torch.is_grad_enabled() or torch.compiler.is_compiling():
         return None
@@ -415,14 +427,15 @@ def mla_block(
     if _check_pool(x, c_kv, "c_kv") or _check_rope(x, k_rope, c_kv, "c_kv"):
         return None
     H, Dc = w_uk.shape[0], w_uk.shape[2]
+    panels = panels if panels is not None else [None] * 5
     CALLS["mla_block"] += 1  # one call, its attention latent_decode's kernel
-    LINEAR_CALLS["few_rows"] += 4
+    _count_products(panels[1:] if panels[0] is None and panels[1] is None else panels)  # W^Q, W^DKV: one call
     LINEAR_CALLS["head_products"] += 2
     count_flops("attention", 2 * H * (2 * Dc + k_rope.pool.shape[-1]) * _keys(c_kv))
     count_flops("linear", 2 * B * sum(w.numel() for w in (w_q, w_kv_a, w_uk, w_uv, w_o, *w_up, w_down)))
     return ext.mla_block(
         x, norms[0], norms[1], norms[2], w_q, w_kv_a, kv_norm, kv_eps, alpha, w_uk, w_uv, w_o, w_up, w_down,
-        *rope, c_kv.pool, k_rope.pool, c_kv.block_table, c_kv.start, c_kv.end, scale, _splits(B, c_kv),
+        *rope, c_kv.pool, k_rope.pool, c_kv.block_table, c_kv.start, c_kv.end, scale, _splits(B, c_kv), panels,
     )  # fmt: skip
 
 

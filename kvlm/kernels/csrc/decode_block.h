@@ -40,13 +40,25 @@ inline void check_new_slots(const int32_t* table, int64_t max_blocks, const int3
   }
 }
 
+// [x W_1^T, ...] for the weights w, from their panels (few_rows_panels.h) where the caller packed them so (the
+// product Linear runs first there), else from the plain weights
+inline at::Tensor product(const at::Tensor& x, const std::vector<at::Tensor>& w, const c10::optional<at::Tensor>& panels) {
+  if (panels.has_value() && panels->defined()) {
+    int64_t N = 0;
+    for (const auto& t : w) N += t.size(0);
+    return few_rows::panel_linear(x, *panels, N, c10::nullopt);
+  }
+  return few_rows::linear(x, w, std::vector<c10::optional<at::Tensor>>(w.size()));
+}
+
 // x1 + (SiLU(h W_1^T) * (h W_2^T)) W_O^T with h = RMSNorm(x1): the SwiGLU half of a block (kvlm.model.SwiGLU)
 inline at::Tensor swiglu_residual(const at::Tensor& x1, const at::Tensor& mlp_norm, double eps,
-                                  const std::vector<at::Tensor>& w_up, const at::Tensor& w_down) {
-  const std::vector<c10::optional<at::Tensor>> none2(2), none1(1);
+                                  const std::vector<at::Tensor>& w_up, const at::Tensor& w_down,
+                                  const c10::optional<at::Tensor>& up_panels,
+                                  const c10::optional<at::Tensor>& down_panels) {
   const int64_t B = x1.size(0), d = x1.size(2), F = w_up[0].size(0);
   TORCH_CHECK(w_up[1].size(0) == F, "decode block: W_1 and W_2 must have as many rows");
-  auto up = few_rows::linear(rms_norm(x1, mlp_norm, eps), w_up, none2);  // (B, 1, 2F): [h W_1^T, h W_2^T]
+  auto up = product(rms_norm(x1, mlp_norm, eps), w_up, up_panels);  // (B, 1, 2F): [h W_1^T, h W_2^T]
   auto u = at::empty({B, 1, F}, x1.options());
   const float* upp = up.data_ptr<float>();
   float* uptr = u.data_ptr<float>();
@@ -55,7 +67,7 @@ inline at::Tensor swiglu_residual(const at::Tensor& x1, const at::Tensor& mlp_no
       const float a = upp[b * 2 * F + i];
       uptr[b * F + i] = a / (1.0f + std::exp(-a)) * upp[b * 2 * F + F + i];
     }
-  auto y = few_rows::linear(u, {w_down}, none1);
+  auto y = product(u, {w_down}, down_panels);
   float* yp = y.data_ptr<float>();
   const float* x1p = x1.data_ptr<float>();
   for (int64_t i = 0; i < B * d; ++i) yp[i] += x1p[i];
@@ -89,10 +101,12 @@ at::Tensor gqa_block(const at::Tensor& x, const at::Tensor& attn_norm, const at:
                      const std::vector<at::Tensor>& w_qkv, const at::Tensor& w_o, const std::vector<at::Tensor>& w_up,
                      const at::Tensor& w_down, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& k_pool,
                      const at::Tensor& v_pool, const at::Tensor& block_table, const at::Tensor& start,
-                     const at::Tensor& end, int64_t n_head, double scale, int64_t n_split) {
+                     const at::Tensor& end, int64_t n_head, double scale, int64_t n_split,
+                     const std::vector<c10::optional<at::Tensor>>& panels) {
   TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "gqa_block: x must be a contiguous float32 (B, 1, d) tensor (one new token a sequence)");
-  TORCH_CHECK(w_qkv.size() == 3 && w_up.size() == 2, "gqa_block: [W^Q, W^K, W^V] and [W_1, W_2]");
+  TORCH_CHECK(w_qkv.size() == 3 && w_up.size() == 2 && panels.size() == 4,
+              "gqa_block: [W^Q, W^K, W^V], [W_1, W_2] and the panels (or None) of its 4 products");
   const int64_t B = x.size(0), G = k_pool.size(1), D = k_pool.size(3), H = n_head;
   TORCH_CHECK(k_pool.scalar_type() == at::kFloat && v_pool.scalar_type() == at::kFloat && k_pool.dim() == 4 &&
                   v_pool.sizes() == k_pool.sizes() && k_pool.stride(3) == 1 && v_pool.stride(3) == 1,
@@ -110,10 +124,9 @@ at::Tensor gqa_block(const at::Tensor& x, const at::Tensor& attn_norm, const at:
   const int32_t* ep = en.data_ptr<int32_t>();
   const int64_t max_blocks = table.size(1), P = k_pool.size(2);
   check_new_slots(tp, max_blocks, ep, B, P, k_pool.size(0));
-  const std::vector<c10::optional<at::Tensor>> none3(3), none1(1);
   const int64_t row = (H + 2 * G) * D;
 
-  auto qkv = few_rows::linear(rms_norm(x, attn_norm, eps), w_qkv, none3);  // (B, 1, (H + 2G) D)
+  auto qkv = product(rms_norm(x, attn_norm, eps), w_qkv, panels[0]);  // (B, 1, (H + 2G) D)
   float* qkvp = qkv.data_ptr<float>();
   for (int64_t b = 0; b < B; ++b) rope_rows(qkvp + b * row, H + G, D, D, cos.data_ptr<float>() + b * D,
                                             sin.data_ptr<float>() + b * D);  // q's heads and k's, adjacent
@@ -124,8 +137,8 @@ at::Tensor gqa_block(const at::Tensor& x, const at::Tensor& attn_norm, const at:
   auto q = qkv.view({B, H + 2 * G, D}).narrow(1, 0, H).view({B, G, H / G, D});
   auto o = decode_attention(q, c10::nullopt, k_pool, c10::nullopt, v_pool, c10::nullopt, c10::nullopt, table, start,
                             en, P, 1, scale, n_split);  // (B, G, H / G, D) = heads in order
-  auto x1 = add_residual(few_rows::linear(o.view({B, 1, H * D}), {w_o}, none1), x);
-  return swiglu_residual(x1, mlp_norm, eps, w_up, w_down);
+  auto x1 = add_residual(product(o.view({B, 1, H * D}), {w_o}, panels[1]), x);
+  return swiglu_residual(x1, mlp_norm, eps, w_up, w_down, panels[2], panels[3]);
 }
 
 // The same for MLA's absorbed route (mlra.md Sec. 2.1; kvlm.attention.mla.MLA.forward_absorbed): q = h W^Q^T
@@ -138,12 +151,13 @@ at::Tensor mla_block(const at::Tensor& x, const at::Tensor& attn_norm, const at:
                      const at::Tensor& w_o, const std::vector<at::Tensor>& w_up, const at::Tensor& w_down,
                      const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& ckv_pool, const at::Tensor& kr_pool,
                      const at::Tensor& block_table, const at::Tensor& start, const at::Tensor& end, double scale,
-                     int64_t n_split) {
+                     int64_t n_split, const std::vector<c10::optional<at::Tensor>>& panels) {
   TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && x.scalar_type() == at::kFloat && x.is_contiguous(),
               "mla_block: x must be a contiguous float32 (B, 1, d) tensor (one new token a sequence)");
   const int64_t B = x.size(0), H = w_uk.size(0), dh = w_uk.size(1), dc = w_uk.size(2), dr = kr_pool.size(-1);
   TORCH_CHECK(w_uv.dim() == 3 && w_uv.size(0) == H && w_uv.size(1) == dc && w_uv.size(2) == dh,
               "mla_block: W~^UK (h, d_h, d_c) and W~^UV (h, d_c, d_h)");
+  TORCH_CHECK(panels.size() == 5, "mla_block: the panels (or None) of its 5 products");
   TORCH_CHECK(w_q.size(0) == H * (dh + dr) && w_kv_a.size(0) == dc + dr && dr % 2 == 0 && dr <= 512,
               "mla_block: W^Q must have h (d_h + d_R) rows and W^DKV d_c + d_R");
   TORCH_CHECK(ckv_pool.dim() == 3 && kr_pool.dim() == 3 && ckv_pool.size(-1) == dc &&
@@ -164,10 +178,13 @@ at::Tensor mla_block(const at::Tensor& x, const at::Tensor& attn_norm, const at:
   const int32_t* ep = en.data_ptr<int32_t>();
   const int64_t max_blocks = table.size(1), P = ckv_pool.size(1);
   check_new_slots(tp, max_blocks, ep, B, P, ckv_pool.size(0));
-  const std::vector<c10::optional<at::Tensor>> none2(2), none1(1);
   const int64_t qw = H * (dh + dr), row = qw + dc + dr;
 
-  auto qkv = few_rows::linear(rms_norm(x, attn_norm, eps), {w_q, w_kv_a}, none2);  // (B, 1, h (d_h + d_R) + d_c + d_R)
+  // (B, 1, h (d_h + d_R) + d_c + d_R): W^Q and W^DKV as one product on the plain weights, else one each
+  const auto h = rms_norm(x, attn_norm, eps);
+  const bool plain = !(panels[0].has_value() && panels[0]->defined()) && !(panels[1].has_value() && panels[1]->defined());
+  auto qkv = plain ? product(h, {w_q, w_kv_a}, c10::nullopt)
+                   : at::cat({product(h, {w_q}, panels[0]), product(h, {w_kv_a}, panels[1])}, -1);
   float* p = qkv.data_ptr<float>();
   auto c_kv = at::empty({B, dc}, x.options());
   float* cp = c_kv.data_ptr<float>();
@@ -194,6 +211,6 @@ at::Tensor mla_block(const at::Tensor& x, const at::Tensor& attn_norm, const at:
   auto z = decode_attention(q_lat.view({B, 1, H, dc}), q.narrow(2, dh, dr).view({B, 1, H, dr}), pool, c10::nullopt,
                             pool, c10::nullopt, kr_pool, table, start, en, P, 1, scale, n_split);  // (B, 1, h, d_c)
   auto o = few_rows::head_products(z.view({B, H, dc}).transpose(0, 1), w_uv);  // (B, h, d_h)
-  auto x1 = add_residual(few_rows::linear(o.view({B, 1, H * dh}), {w_o}, none1), x);
-  return swiglu_residual(x1, mlp_norm, eps, w_up, w_down);
+  auto x1 = add_residual(product(o.view({B, 1, H * dh}), {w_o}, panels[2]), x);
+  return swiglu_residual(x1, mlp_norm, eps, w_up, w_down, panels[3], panels[4]);
 }
