@@ -245,3 +245,28 @@ def test_block_kernel_reads_the_panels_where_they_go_first(monkeypatch, attentio
             m._packed[1].zero_()
     zeroed, fused = _decode(model, tokens, 7, mode)
     assert fused == 3 * model.cfg.n_layer and not torch.allclose(zeroed, got, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("attention,extra", [("gqa", dict(n_kv_head=2)), ("mla", MLA)])
+def test_the_block_counts_the_flops_of_the_modules(monkeypatch, attention, extra):
+    """The kernels' running FLOP count (what kvlm bench adds to torch's counter) grows by as much with the block
+    as with its modules, whose products and attention all run on kernels here. (Under torch's FLOP counter
+    itself the block declines: the counter's module hooks run module by module.)"""
+    from kvlm.kernels.shared import FLOPS
+
+    model = _model(attention, **extra)
+    tokens = torch.randint(0, 101, (3, 7), generator=torch.Generator().manual_seed(8))
+    mode = "absorbed" if attention == "mla" else "auto"
+    totals = []
+    for on in (True, False):
+        if not on:
+            _unfused(monkeypatch)
+        cache = model.new_cache(3, 64)
+        with torch.inference_mode():
+            model(tokens[:, :6], cache, mode=mode)
+            kernels.CALLS.clear()
+            before = dict(FLOPS)
+            model(tokens[:, 6:], cache, mode=mode)
+        assert (kernels.CALLS["gqa_block"] + kernels.CALLS["mla_block"] > 0) == on
+        totals.append({k: FLOPS[k] - before.get(k, 0) for k in ("total", "attention", "linear")})
+    assert totals[0]["attention"] > 0 and totals[0] == totals[1]
