@@ -92,14 +92,20 @@ class Block(nn.Module):
         self.dropout = Dropout(cfg.dropout)
 
     def forward(self, x, step: Step, cache=None):
-        if cache is not None and not self.training:
-            weights = self.decode_block_weights()
-            decode_block = getattr(self.attn, "decode_block", None)  # a tensor-parallel wrapper has none
-            y = decode_block(x, step, cache, weights) if weights is not None and decode_block else None
-            if y is not None:
-                return y
+        y = self.one_call(x, step, cache) if cache is not None else None
+        if y is not None:
+            return y
         x = x + self.dropout(self.attn(self.attn_norm(x), step, cache))
         return x + self.mlp(self.mlp_norm(x))
+
+    def one_call(self, x: torch.Tensor, step: Step, cache) -> torch.Tensor | None:
+        """The block as one kernel call at decode (``Attention.decode_block``: one new token a sequence, inference),
+        or None where it does not apply (the modules then run one by one)."""
+        if self.training or step.n_new != 1:
+            return None
+        weights = self.decode_block_weights()
+        decode_block = getattr(self.attn, "decode_block", None)  # a tensor-parallel wrapper has none
+        return decode_block(x, step, cache, weights) if weights is not None and decode_block is not None else None
 
     def decode_block_weights(self) -> tuple | None:
         """What ``Attention.decode_block`` needs of the rest of the block (RMSNorms of one eps, a bias-free SwiGLU):
@@ -121,15 +127,12 @@ class Block(nn.Module):
         """x (N, d): the rows of several cache calls back to back (``KVLM.forward_parts``); parts: (step, view)
         of each, in that order. Attention runs per call through its view's layer ``layer_idx``; the norms and
         the MLP run once on all N rows."""
-        if len(parts) == 1 and not self.training:  # one call (the engine's decode-only step): as ``forward``
+        if len(parts) == 1:  # one call (the engine's decode-only step): the block in one call, as ``forward``
             step, view = parts[0]
-            weights = self.decode_block_weights()
-            decode_block = getattr(self.attn, "decode_block", None)
-            if weights is not None and decode_block is not None and step.n_new == 1:
-                view.activate()
-                y = decode_block(x.view(x.shape[0], 1, -1), step, view.layers[layer_idx], weights)
-                if y is not None:
-                    return y.view(x.shape)
+            view.activate()
+            y = self.one_call(x.view(x.shape[0], 1, -1), step, view.layers[layer_idx])
+            if y is not None:
+                return y.view(x.shape)
         h = self.attn_norm(x)
         out, i = [], 0
         for step, view in parts:

@@ -84,8 +84,8 @@ class MultiHeadAttention(Attention, GroupPacking):
 
     def decode_block(self, x, step: Step, cache: CacheLayer, block_weights: tuple) -> torch.Tensor | None:
         """The block in one call of kvlm.kernels.gqa_block at one new token a sequence (RoPE, no bias, no output
-        gate; each product on its panels where they go first, else on the plain weights), else None. The same values as
-        the modules one by one: what runs between the step's kernels costs ~190 us a layer there."""
+        gate; each product on its panels where they go first, else on the plain weights), else None. The same
+        values as the modules one by one, whose operators between the step's kernels cost ~190 us a layer."""
         if step.n_new != 1 or self.rope is None or self.gate is not None or self.cfg.bias:
             return None
         if hooked(self, self.wq, self.wk, self.wv, self.wo):
