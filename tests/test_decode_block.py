@@ -121,6 +121,7 @@ def test_block_kernel_with_left_padding():
         ("gqa", dict(n_kv_head=2, bias=True), "auto", "biases"),
         ("gqa", dict(n_kv_head=2, gated=True), "auto", "an output gate"),
         ("gqa", dict(n_kv_head=2, rope=False), "auto", "no RoPE"),
+        ("gqa", dict(n_kv_head=1, head_dim=520), "auto", "heads wider than the kernel's RoPE buffer"),
         ("mla", dict(MLA, q_lora_rank=32), "absorbed", "a compressed query"),
         ("mla", dict(MLA, rope_kv_heads=2), "absorbed", "two RoPE keys"),
     ],

@@ -366,7 +366,7 @@ def gqa_block(
         return None
     if _check_pool(x, k, "k") or _check_pool(x, v, "v") or k.pool.dim() != 4 or k.pool.shape != v.pool.shape:
         return None
-    if not _same_pages(k, v) or cos.numel() != B * k.pool.shape[-1]:
+    if not _same_pages(k, v) or cos.numel() != B * k.pool.shape[-1] or k.pool.shape[-1] > 512:  # RoPE's buffer
         return None
     G, D = k.pool.shape[1], k.pool.shape[-1]
     panels = panels if panels is not None else [None] * 4
@@ -419,7 +419,7 @@ def mla_block(
     for t in tensors if kv_norm is None else (*tensors, kv_norm):
         if type(t) not in PLAIN_TENSORS or t.dtype is not torch.float32 or not t.is_cpu or not t.is_contiguous():
             return None
-    if w_uk.shape[1] % 16 or w_uk.shape[2] % 16:  # the per-head products' output widths (d_c, d_h)
+    if w_uk.shape[1] % 16 or w_uk.shape[2] % 16 or k_rope.pool.shape[-1] > 512:  # head products' widths, RoPE's
         return None
     for view in (c_kv, k_rope):
         if view.scale is not None or view.pool.dtype is not torch.float32 or view.pool.dim() != 3:
