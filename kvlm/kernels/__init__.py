@@ -350,18 +350,11 @@ def gqa_block(
     ``FEW_ROWS`` sequences, another dtype or device, tensor subclasses, autograd on, quantized or bf16 pools,
     kernels unavailable, under torch.compile; the caller then runs the block's operators one by one, which
     compute the same."""
-    ext = cpu.extension()
-    if ext is None or not hasattr(ext, "gqa_block") or torch.is_grad_enabled() or torch.compiler.is_compiling():
-        return None
-    if type(x) is not torch.Tensor or x.dtype is not torch.float32 or not x.is_cpu or x.dim() != 3:
+    (w_up, w_down), cos, sin = mlp, *rope
+    ext = _block_extension("gqa_block", x, (*w_qkv, w_o, *w_up, w_down, norms[0], norms[1], cos, sin))
+    if ext is None:
         return None
     B = x.shape[0]
-    if x.shape[1] != 1 or not 0 < B <= few_rows.FEW_ROWS or not x.is_contiguous():  # its products'
-        return None
-    (w_up, w_down), cos, sin = mlp, *rope
-    for t in (*w_qkv, w_o, *w_up, w_down, norms[0], norms[1], cos, sin):
-        if type(t) not in PLAIN_TENSORS or t.dtype is not torch.float32 or not t.is_cpu or not t.is_contiguous():
-            return None
     if k.scale is not None or v.scale is not None or k.pool.dtype is not torch.float32 or v.pool.dtype is not torch.float32:
         return None
     if _check_pool(x, k, "k") or _check_pool(x, v, "v") or k.pool.dim() != 4 or k.pool.shape != v.pool.shape:
@@ -378,6 +371,20 @@ def gqa_block(
         x, norms[0], norms[1], norms[2], w_qkv, w_o, w_up, w_down, cos, sin, k.pool, v.pool, k.block_table,
         k.start, k.end, n_head, scale, _splits(B * G, k), panels,
     )  # fmt: skip
+
+
+def _block_extension(name: str, x: torch.Tensor, tensors: tuple):
+    """The extension when its block kernel ``name`` takes x (B, 1, d) and the block's other tensors: a built
+    extension with the kernel, no autograd, not traced, x a contiguous float32 CPU tensor of one new token for up
+    to ``FEW_ROWS`` sequences (its products'), the rest plain contiguous float32 CPU tensors; else None."""
+    ext = cpu.extension()
+    if ext is None or not hasattr(ext, name) or torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return None
+    if type(x) is not torch.Tensor or not few_rows._plain(x) or x.dim() != 3 or x.shape[1] != 1:
+        return None
+    if not 0 < x.shape[0] <= few_rows.FEW_ROWS or not all(few_rows._plain(t) for t in tensors):
+        return None
+    return ext
 
 
 def _count_products(panels: list) -> None:
@@ -406,19 +413,12 @@ def mla_block(
     and SwiGLU half. latent_norm: (kv_norm weight or None, its eps, alpha_kv); absorbed: (W~^UK (h, d_h, d_c),
     W~^UV (h, d_c, d_h)); panels: of its 5 products (W^Q, W^DKV, W^O, [W_1; W_2], W_O of the MLP), as
     ``gqa_block``'s. None where it does not apply (as ``gqa_block``, and head widths not multiples of 16)."""
-    ext = cpu.extension()
-    if ext is None or not hasattr(ext, "mla_block") or torch.is_grad_enabled() or torch.compiler.is_compiling():
-        return None
-    if type(x) is not torch.Tensor or x.dtype is not torch.float32 or not x.is_cpu or x.dim() != 3:
-        return None
-    B = x.shape[0]
-    if x.shape[1] != 1 or not 0 < B <= few_rows.FEW_ROWS or not x.is_contiguous():  # its products'
-        return None
     (w_up, w_down), (w_uk, w_uv), (kv_norm, kv_eps, alpha) = mlp, absorbed, latent_norm
     tensors = (w_q, w_kv_a, w_uk, w_uv, w_o, *w_up, w_down, norms[0], norms[1], *rope)
-    for t in tensors if kv_norm is None else (*tensors, kv_norm):
-        if type(t) not in PLAIN_TENSORS or t.dtype is not torch.float32 or not t.is_cpu or not t.is_contiguous():
-            return None
+    ext = _block_extension("mla_block", x, tensors if kv_norm is None else (*tensors, kv_norm))
+    if ext is None:
+        return None
+    B = x.shape[0]
     if w_uk.shape[1] % 16 or w_uk.shape[2] % 16 or k_rope.pool.shape[-1] > 512:  # head products' widths, RoPE's
         return None
     for view in (c_kv, k_rope):

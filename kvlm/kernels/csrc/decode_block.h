@@ -51,6 +51,22 @@ inline at::Tensor product(const at::Tensor& x, const std::vector<at::Tensor>& w,
   return few_rows::linear(x, w, std::vector<c10::optional<at::Tensor>>(w.size()));
 }
 
+// What both blocks check of their call: the RoPE tables (B, 1, 1, d_rope), the page table and ends of B sequences
+// (returned as int32 tensors), and each new slot a page of the pool (N pages of P slots), before anything is written.
+inline std::pair<at::Tensor, at::Tensor> check_block_call(const char* what, int64_t B, const at::Tensor& cos,
+                                                          const at::Tensor& sin, int64_t d_rope,
+                                                          const at::Tensor& block_table, const at::Tensor& end,
+                                                          int64_t P, int64_t n_pages) {
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.numel() == B * d_rope && sin.numel() == B * d_rope,
+              what, ": cos, sin must be contiguous float32 (B, 1, 1, ", d_rope, ") whole-width tables");
+  auto table = check_table(block_table, "block_table");
+  auto en = check_table(end, "end");
+  TORCH_CHECK(table.dim() == 2 && table.size(0) == B && en.numel() == B, what, ": tables must have B rows");
+  check_new_slots(table.data_ptr<int32_t>(), table.size(1), en.data_ptr<int32_t>(), B, P, n_pages);
+  return {table, en};
+}
+
 // x1 + (SiLU(h W_1^T) * (h W_2^T)) W_O^T with h = RMSNorm(x1): the SwiGLU half of a block (kvlm.model.SwiGLU)
 inline at::Tensor swiglu_residual(const at::Tensor& x1, const at::Tensor& mlp_norm, double eps,
                                   const std::vector<at::Tensor>& w_up, const at::Tensor& w_down,
@@ -114,16 +130,11 @@ at::Tensor gqa_block(const at::Tensor& x, const at::Tensor& attn_norm, const at:
   TORCH_CHECK(H % G == 0 && D % 2 == 0 && D <= 512 && w_qkv[0].size(0) == H * D && w_qkv[1].size(0) == G * D &&
                   w_qkv[2].size(0) == G * D,
               "gqa_block: W^Q, W^K, W^V must have ", H, " and ", G, " heads of ", D, " rows");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
-                  sin.is_contiguous() && cos.numel() == B * D && sin.numel() == B * D,
-              "gqa_block: cos, sin must be contiguous float32 (B, 1, 1, D) whole-width tables");
-  auto table = check_table(block_table, "block_table");
-  auto en = check_table(end, "end");
-  TORCH_CHECK(table.dim() == 2 && table.size(0) == B && en.numel() == B, "gqa_block: tables must have B rows");
+  const int64_t P = k_pool.size(2);
+  const auto [table, en] = check_block_call("gqa_block", B, cos, sin, D, block_table, end, P, k_pool.size(0));
   const int32_t* tp = table.data_ptr<int32_t>();
   const int32_t* ep = en.data_ptr<int32_t>();
-  const int64_t max_blocks = table.size(1), P = k_pool.size(2);
-  check_new_slots(tp, max_blocks, ep, B, P, k_pool.size(0));
+  const int64_t max_blocks = table.size(1);
   const int64_t row = (H + 2 * G) * D;
 
   auto qkv = product(rms_norm(x, attn_norm, eps), w_qkv, panels[0]);  // (B, 1, (H + 2G) D)
@@ -165,19 +176,14 @@ at::Tensor mla_block(const at::Tensor& x, const at::Tensor& attn_norm, const at:
                   ckv_pool.size(1) == kr_pool.size(1) && ckv_pool.size(0) == kr_pool.size(0) &&
                   ckv_pool.stride(2) == 1 && kr_pool.stride(2) == 1,
               "mla_block: c_kv and k_rope pools must be float32 (N, P, d_c) and (N, P, d_R) on one page table");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
-                  sin.is_contiguous() && cos.numel() == B * dr && sin.numel() == B * dr,
-              "mla_block: cos, sin must be contiguous float32 (B, 1, 1, d_R) whole-width tables");
   const bool has_norm = kv_norm.has_value() && kv_norm->defined();
   TORCH_CHECK(!has_norm || (kv_norm->numel() == dc && kv_norm->scalar_type() == at::kFloat && kv_norm->is_contiguous()),
               "mla_block: kv_norm must be a float32 vector of d_c");
-  auto table = check_table(block_table, "block_table");
-  auto en = check_table(end, "end");
-  TORCH_CHECK(table.dim() == 2 && table.size(0) == B && en.numel() == B, "mla_block: tables must have B rows");
+  const int64_t P = ckv_pool.size(1);
+  const auto [table, en] = check_block_call("mla_block", B, cos, sin, dr, block_table, end, P, ckv_pool.size(0));
   const int32_t* tp = table.data_ptr<int32_t>();
   const int32_t* ep = en.data_ptr<int32_t>();
-  const int64_t max_blocks = table.size(1), P = ckv_pool.size(1);
-  check_new_slots(tp, max_blocks, ep, B, P, ckv_pool.size(0));
+  const int64_t max_blocks = table.size(1);
   const int64_t qw = H * (dh + dr), row = qw + dc + dr;
 
   // (B, 1, h (d_h + d_R) + d_c + d_R): W^Q and W^DKV as one product on the plain weights, else one each
