@@ -15,6 +15,7 @@ step whether they are stale. Call it again after changing the weights.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,7 @@ from torch import nn
 from kvlm.attention import Attention, GateEmbedding, Step, get_attention_class
 from kvlm.attention.base import GroupPacking, Linear, hooked
 from kvlm.attention.norm import RMSNorm
+from kvlm.attention.watch import Bound, Watched
 from kvlm.cache import CacheError, KVCache
 from kvlm.config import ModelConfig
 from kvlm.hugepages import move_to_huge_pages_
@@ -82,7 +84,12 @@ class GeluMLP(nn.Module):
         return self.dropout(self.wo(F.gelu(self.w1(x), approximate="tanh")))
 
 
-class Block(nn.Module):
+# each Block's one-call plan and what it was built from (Block.one_call), off the module so that copies and
+# state dicts never carry it
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+class Block(Watched, nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.attn_norm = make_norm(cfg, cfg.d_model)
@@ -99,16 +106,26 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
     def one_call(self, x: torch.Tensor, step: Step, cache) -> torch.Tensor | None:
-        """The block as one kernel call at decode (``Attention.decode_block``: one new token a sequence, inference),
-        or None where it does not apply (the modules then run one by one)."""
-        if self.training or step.n_new != 1:
+        """The block as one kernel call at decode (``Attention.decode_block_plan``: one new token a sequence,
+        inference), or None where it does not apply (the modules then run one by one). The plan is built once
+        and kept while nothing it was built from changes (``Bound``): gathering and checking the block's weights
+        every step cost ~50 us a layer warm and 2-4x that after each weight stream (benchmarks/decode-limit.md)."""
+        if self.training or step.n_new != 1 or torch.is_grad_enabled() or torch.compiler.is_compiling():
             return None
+        kept = _PLANS.get(self)
+        if kept is None or not kept[0].holds():
+            plan = self.one_call_plan()
+            kept = _PLANS[self] = (Bound(list(self.modules())), plan)
+        return None if kept[1] is None else kept[1](x, step, cache)
+
+    def one_call_plan(self):
+        """``Attention.decode_block_plan`` for this block's weights, or None (not of that form, or hooks)."""
         weights = self.decode_block_weights()
-        decode_block = getattr(self.attn, "decode_block", None)  # a tensor-parallel wrapper has none
-        return decode_block(x, step, cache, weights) if weights is not None and decode_block is not None else None
+        plan = getattr(self.attn, "decode_block_plan", None)  # a tensor-parallel wrapper has none
+        return plan(weights) if weights is not None and plan is not None else None
 
     def decode_block_weights(self) -> tuple | None:
-        """What ``Attention.decode_block`` needs of the rest of the block (RMSNorms of one eps, a bias-free SwiGLU):
+        """What ``Attention.decode_block_plan`` needs of the rest of the block (RMSNorms of one eps, a bias-free SwiGLU):
         the norms' weights, eps, [W_1, W_2], W_O and the panels of its two products where they go first (else
         None), or None where the block is not of that form."""
         an, mn, mlp = self.attn_norm, self.mlp_norm, self.mlp

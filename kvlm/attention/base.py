@@ -22,14 +22,15 @@ mechanism's file tests its name and nothing probes for attributes:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.nn.modules import module as _nn_module
 
 from kvlm.attention.linear import ANY_ROWS, GroupPacking, Linear, PackedGroup  # noqa: F401 (re-exported)
 from kvlm.attention.step import MODES, Step, attend
+from kvlm.attention.watch import Watched, hooked  # noqa: F401 (hooked re-exported)
 from kvlm.config import ModelConfig, spec_numel
 from kvlm.errors import ConfigError
 
@@ -50,15 +51,7 @@ class GateEmbedding(nn.Embedding):
     recognise these tables by ``isinstance``, which ``copy.deepcopy`` and sharding keep."""
 
 
-def hooked(*modules: nn.Module) -> bool:
-    """Whether a forward call of any of ``modules`` would run hooks (their own or torch's global ones): a
-    decode path that computes them in one kernel call would skip those, so it declines."""
-    if _nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks:
-        return True
-    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
-
-
-class Attention(nn.Module):
+class Attention(Watched, nn.Module):
     """Base class of every mechanism. A subclass sets ``name``, implements ``spec_for`` and ``forward`` and
     overrides the declarations below that differ from the defaults. ``make_output`` builds W_O (``wo``)."""
 
@@ -196,12 +189,14 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, step: Step, cache: CacheLayer | None = None) -> torch.Tensor:
         raise NotImplementedError
 
-    def decode_block(self, x: torch.Tensor, step: Step, cache: CacheLayer, block_weights: tuple) -> torch.Tensor | None:
-        """The whole pre-norm decoder block (this attention, then a SwiGLU MLP) in one kernel call at decode, or
-        None (the default: the block runs its modules one by one). block_weights: (attention norm weight, MLP
-        norm weight, eps, [W_1, W_2], W_O of the MLP, the panels of its two products or None), from
-        ``kvlm.model.Block``, which also checks that no
-        module of the block has forward hooks (``hooked``): those run module by module, so their hooks fire."""
+    def decode_block_plan(self, block_weights: tuple) -> Callable[[torch.Tensor, Step, CacheLayer], torch.Tensor | None] | None:
+        """The whole pre-norm decoder block (this attention, then a SwiGLU MLP) in one kernel call at decode: the
+        call ``plan(x, step, cache)`` of a step with one new token a sequence (None where that step does not
+        apply, e.g. a route or a cache the kernel does not take), or None (the default: the block runs its
+        modules one by one). block_weights: (attention norm weight, MLP norm weight, eps, [W_1, W_2], W_O of the
+        MLP, the panels of its two products or None), from ``kvlm.model.Block``, which keeps the plan while
+        nothing it was built from changes (``kvlm.attention.watch.Bound``: weights, attributes, hooks) and
+        runs the block module by module where any module has forward hooks (``hooked``), so that those fire."""
         return None
 
     # --- tensor parallelism (applied by kvlm.parallel.tensor_parallel) ---------------------------------

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.flop_counter import register_flop_formula
 
+from kvlm.attention.watch import Watched, hooked, touch
 from kvlm.kernels.few_rows import (
     FEW_ROWS,
     MAX_ROWS,
@@ -154,7 +155,7 @@ def _plain_cpu_float32(w: torch.Tensor) -> bool:
     return type(w.data) is torch.Tensor and w.device.type == "cpu" and w.dtype == torch.float32
 
 
-class Linear(nn.Linear):
+class Linear(Watched, nn.Linear):
     """nn.Linear whose few-row products (decode) run on packed weights (``pack_for_decode``) or as W x^T (see
     the module docstring). Same parameters and state dict as nn.Linear."""
 
@@ -357,7 +358,7 @@ class PackedGroup:
         return _packed_product(x, self.packed, self.shape_weight, self.bias, self.rows, count)
 
 
-class GroupPacking(nn.Module):
+class GroupPacking(Watched, nn.Module):
     """A module whose decode may run groups of its Linears (``packed_groups``: tuples of attribute names, each
     reading the same input) as one ``PackedGroup`` each. ``pack_for_decode(rows)`` packs them (rows None drops
     them) and returns the Linears it covered, which ``KVLM.pack_for_decode`` then leaves unpacked on their own;
@@ -373,6 +374,7 @@ class GroupPacking(nn.Module):
             if group is not None:
                 groups[names] = group
                 covered += linears
+        touch()  # the groups go in __dict__ directly: plans built on the old ones are stale
         self.__dict__["_decode_groups"] = groups
         return covered
 
@@ -387,6 +389,8 @@ class GroupPacking(nn.Module):
         them one by one, which gives the same values)."""
         group = self.__dict__.get("_decode_groups", {}).get(names)
         linears = [getattr(self, n) for n in names]
+        if hooked(*linears):  # one product would skip their hooks: one by one, so that they fire
+            return None
         weights, biases = [m.weight for m in linears], [m.bias for m in linears]
         if torch.compiler.is_compiling():
             if x.device.type != "cpu" or torch.is_grad_enabled():  # the operator has no backward

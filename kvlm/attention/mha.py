@@ -82,27 +82,31 @@ class MultiHeadAttention(Attention, GroupPacking):
         o = attend(q, k, v, step, softmax_scale(self.head_dim))
         return self.output(o, x)
 
-    def decode_block(self, x, step: Step, cache: CacheLayer, block_weights: tuple) -> torch.Tensor | None:
-        """The block in one call of kvlm.kernels.gqa_block at one new token a sequence (RoPE, no bias, no output
-        gate; each product on its panels where they go first, else on the plain weights), else None. The same
-        values as the modules one by one, whose operators between the step's kernels cost ~190 us a layer."""
-        if step.n_new != 1 or self.rope is None or self.gate is not None or self.cfg.bias:
-            return None
-        if hooked(self, self.wq, self.wk, self.wv, self.wo):
+    def decode_block_plan(self, block_weights: tuple):
+        """The block in one call of kvlm.kernels.gqa_block (RoPE, no bias, no output gate; each product on its
+        panels where they go first, else on the plain weights), else None. The same values as the modules one by
+        one, whose operators between the step's kernels cost ~190 us a layer."""
+        if self.rope is None or self.gate is not None or self.cfg.bias or hooked(self, self.wq, self.wk, self.wv, self.wo):
             return None
         (qkv_ok, qkv_panels), (o_ok, o_panels) = self.group_panels(("wq", "wk", "wv")), self.wo.first_panels()
         if not (qkv_ok and o_ok):
             return None
         attn_norm, mlp_norm, eps, w_up, w_down, up_panels, down_panels = block_weights
-        y = kernels.gqa_block(
-            x, (attn_norm, mlp_norm, eps), [self.wq.weight, self.wk.weight, self.wv.weight], self.wo.weight,
-            (w_up, w_down), step.cos_sin(self.rope, x.dtype), cache.block_view("k", step),
-            cache.block_view("v", step), self.n_head, softmax_scale(self.head_dim),
-            [qkv_panels, o_panels, up_panels, down_panels],
+        call = kernels.gqa_block_call(
+            (attn_norm, mlp_norm, eps), [self.wq.weight, self.wk.weight, self.wv.weight], self.wo.weight,
+            (w_up, w_down), self.n_head, softmax_scale(self.head_dim), [qkv_panels, o_panels, up_panels, down_panels],
         )  # fmt: skip
-        if y is not None:
-            self.record_route(step, "plain")
-        return y
+        if call is None:
+            return None
+        rope = self.rope
+
+        def plan(x: torch.Tensor, step: Step, cache: CacheLayer) -> torch.Tensor | None:
+            y = call(x, step.cos_sin(rope, x.dtype), cache.block_view("k", step), cache.block_view("v", step))
+            if y is not None:
+                self.record_route(step, "plain")
+            return y
+
+        return plan
 
     def attend_kernel(self, q, k, v, step: Step, cache: CacheLayer) -> torch.Tensor:
         """Decode through the fused kernel over the cache in place (kvlm.kernels.gqa_decode); ``attend`` over

@@ -237,11 +237,12 @@ class MLA(LatentAttention):
             o = o + aw.b_uv.view(H, 1, -1)
         return self.output(o, x)
 
-    def decode_block(self, x, step: Step, cache, block_weights: tuple) -> torch.Tensor | None:
-        """The block in one call of kvlm.kernels.mla_block on the absorbed route at one new token a sequence
-        (one latent, no query compression, no folds, no bias or output gate, one RoPE key; each product on its
-        panels where they go first), else None: the same values as ``forward_absorbed`` and the modules around it one by one."""
-        if step.n_new != 1 or cache is None or self.q_lora_rank or self.separate or self.gate is not None:
+    def decode_block_plan(self, block_weights: tuple):
+        """The block in one call of kvlm.kernels.mla_block on the absorbed route (one latent, no query
+        compression, no folds, no bias or output gate, one RoPE key; each product on its panels where they go
+        first), else None: the same values as ``forward_absorbed`` and the modules around it one by one. Its steps
+        decline where the route is not the absorbed one."""
+        if self.q_lora_rank or self.separate or self.gate is not None:
             return None
         if self.cfg.bias or not self.rope_head_dim or self.rope_kv_heads != 1 or self.kv_norm is None:
             return None
@@ -252,21 +253,28 @@ class MLA(LatentAttention):
         )
         if not (q_ok and kv_ok and o_ok):
             return None
-        if self.route(step, cache) != "absorbed":
-            return None
         aw = self.absorbed_weights()
         if aw.w_q is not None or aw.w_ov is not None or aw.b_uv is not None:
             return None
         attn_norm, mlp_norm, eps, w_up, w_down, up_panels, down_panels = block_weights
-        y = kernels.mla_block(
-            x, (attn_norm, mlp_norm, eps), self.wq.weight, self.wkv_a.weight,
+        call = kernels.mla_block_call(
+            (attn_norm, mlp_norm, eps), self.wq.weight, self.wkv_a.weight,
             (self.kv_norm.weight, self.kv_norm.eps, self.alpha_kv), (aw.w_uk, aw.w_uv), self.wo.weight,
-            (w_up, w_down), self.cos_sin(step, x.dtype), cache.block_view("c_kv", step),
-            cache.block_view("k_rope", step), self.scale, [q_panels, kv_panels, o_panels, up_panels, down_panels],
+            (w_up, w_down), self.scale, [q_panels, kv_panels, o_panels, up_panels, down_panels],
         )  # fmt: skip
-        if y is not None:
-            self.record_route(step, self.route_label("absorbed"))
-        return y
+        if call is None:
+            return None
+        label = self.route_label("absorbed")
+
+        def plan(x: torch.Tensor, step: Step, cache) -> torch.Tensor | None:
+            if cache is None or self.route(step, cache) != "absorbed":
+                return None
+            y = call(x, self.cos_sin(step, x.dtype), cache.block_view("c_kv", step), cache.block_view("k_rope", step))
+            if y is not None:
+                self.record_route(step, label)
+            return y
+
+        return plan
 
     def forward_absorbed(self, x: torch.Tensor, step: Step, cache, cs) -> torch.Tensor:
         """Write the new latents, then attend in latent space (mlra.md Sec. 2.1 Steps 1-3)."""

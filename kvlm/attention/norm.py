@@ -9,10 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvlm.attention.watch import Watched
 from kvlm.kernels import rms_norm as one_pass_rms_norm
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(Watched, nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
         self.eps = eps

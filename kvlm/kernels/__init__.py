@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kvlm.kernels import cpu, few_rows
+from kvlm.kernels import cpu
+from kvlm.kernels.block import gqa_block, gqa_block_call, mla_block, mla_block_call  # noqa: F401 (re-exported)
 from kvlm.kernels.shared import (  # noqa: F401 (re-exported)
     CALLS,
     FLOPS,
@@ -44,19 +45,21 @@ from kvlm.kernels.shared import (  # noqa: F401 (re-exported)
     split_count,
     visible_keys,
 )
+from kvlm.kernels.views import (  # noqa: F401
+    _FP8,
+    _POOL_DTYPES,
+    _QUANT,
+    _check_pool,
+    _check_rope,
+    _keys,
+    _same_pages,
+    _splits,
+)
 
 if TYPE_CHECKING:
     from kvlm.cache.layer import BlockView
 
 MAX_NEW = 16  # new tokens per call the kernels take (decode, speculative verification); prefill goes to SDPA
-
-_FP8 = getattr(torch, "float8_e4m3fn", None)  # fp8 e4m3 codes, where this torch has the dtype
-_QUANT = tuple(t for t in (torch.int8, _FP8) if t is not None)  # 1-byte codes with a per-token scale
-_POOL_DTYPES = {
-    torch.float32: (torch.float32, torch.bfloat16, *_QUANT),
-    torch.float64: (torch.float64, *_QUANT),
-}
-
 
 class KernelUnavailable(RuntimeError):
     """No fast kernel applies to this call (the message says why); the caller takes the plain path."""
@@ -110,46 +113,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor 
     return ext.rms_norm(x, weight, eps)
 
 
-def _check_pool(q: torch.Tensor, view: BlockView, what: str) -> str | None:
-    if view.pool.dtype not in _POOL_DTYPES[q.dtype]:
-        return f"{what} pool of {view.pool.dtype} with {q.dtype} queries"
-    if view.pool.stride(-1) != 1:
-        return f"{what} pool not contiguous in its last axis"
-    if view.block_table.dtype != torch.int32 or view.start.dtype != torch.int32:
-        return f"{what} block table / start / end not int32"
-    if (view.scale is not None) != (view.pool.dtype in _QUANT):
-        return f"{what}: int8 / fp8 pools need a per-token scale, others none"
-    if view.pool.shape[-2] != view.page_size:
-        return f"{what} pool's page axis {view.pool.shape[-2]} is not the page size {view.page_size}"
-    return None
-
-
-def _check_rope(q: torch.Tensor, k_rope: BlockView | None, partner: BlockView, name: str) -> str | None:
-    """Why the kernel cannot read the shared RoPE key pool beside ``partner`` (None if it can, or if none)."""
-    if k_rope is None:
-        return None
-    why = _check_pool(q, k_rope, "k_rope")
-    if why is None and (k_rope.pool.dim() != 3 or k_rope.scale is not None):
-        why = "grouped or quantized RoPE keys"
-    if why is None and not _same_pages(partner, k_rope):
-        why = f"{name} and k_rope on different pages"
-    return why
-
-
-def _same_pages(a: BlockView, b: BlockView) -> bool:
-    if a.page_size != b.page_size:
-        return False
-    if a.block_table is b.block_table and a.start is b.start and a.end is b.end:
-        return True
-    return all(
-        torch.equal(x, y) for x, y in ((a.block_table, b.block_table), (a.start, b.start), (a.end, b.end))
-    )
-
-
-def _splits(items: int, view: BlockView) -> int:
-    return split_count(items, view.longest, view.start, view.end)
-
-
 def _run(
     name: str,
     flops_per_key: int,
@@ -181,11 +144,6 @@ def _run(
         q, q_rope, k_pool, k_scale, v_pool, v_scale, kr_pool, view.block_table, view.start, view.end,
         view.page_size, n_new, scale, _splits(items, view),
     )  # fmt: skip
-
-
-def _keys(view: BlockView) -> int:
-    """Cached keys of all sequences of a view (for the FLOP count): the cache's host value, else read back."""
-    return view.keys if view.keys is not None else visible_keys(view.start, view.end)
 
 
 def _too_short(view: BlockView, T: int) -> str | None:
@@ -325,118 +283,6 @@ def gqa_decode(
         _scale(v.scale), None if k_rope is None else k_rope.pool, n_new, scale,
     )  # fmt: skip
     return out.view(B, Hq, T, v.pool.shape[-1])
-
-
-def gqa_block(
-    x: torch.Tensor,
-    norms: tuple[torch.Tensor, torch.Tensor, float],
-    w_qkv: list[torch.Tensor],
-    w_o: torch.Tensor,
-    mlp: tuple[list[torch.Tensor], torch.Tensor],
-    rope: tuple[torch.Tensor, torch.Tensor],
-    k: BlockView,
-    v: BlockView,
-    n_head: int,
-    scale: float,
-    panels: list[torch.Tensor | None] | None = None,
-) -> torch.Tensor | None:
-    """One pre-norm MHA / GQA / MQA decoder block with a SwiGLU MLP at one new token a sequence, in one call of
-    the extension (csrc/decode_block.h): x (B, 1, d) -> x1 + MLP(RMSNorm(x1)), x1 = x + attention(RMSNorm(x)),
-    the new token's K and V written into the pools at its slot first (where the attention kernel reads it).
-    norms: (attention norm weight, MLP norm weight, eps); w_qkv [W^Q, W^K, W^V]; mlp ([W_1, W_2], W_O); rope:
-    the whole-width tables (B, 1, 1, D) of ``Step.cos_sin``; k, v the layer's views (float32 pools, one page
-    table); panels: of the 4 products ([W^Q; W^K; W^V], W^O, [W_1; W_2], W_O of the MLP), each the weights'
-    panels (``few_rows.pack_panels``) or None (the plain weights). None where it does not apply: more than
-    ``FEW_ROWS`` sequences, another dtype or device, tensor subclasses, autograd on, quantized or bf16 pools,
-    kernels unavailable, under torch.compile; the caller then runs the block's operators one by one, which
-    compute the same."""
-    (w_up, w_down), cos, sin = mlp, *rope
-    ext = _block_extension("gqa_block", x, (*w_qkv, w_o, *w_up, w_down, norms[0], norms[1], cos, sin))
-    if ext is None:
-        return None
-    B = x.shape[0]
-    if k.scale is not None or v.scale is not None or k.pool.dtype is not torch.float32 or v.pool.dtype is not torch.float32:
-        return None
-    if _check_pool(x, k, "k") or _check_pool(x, v, "v") or k.pool.dim() != 4 or k.pool.shape != v.pool.shape:
-        return None
-    if not _same_pages(k, v) or cos.numel() != B * k.pool.shape[-1] or k.pool.shape[-1] > 512:  # RoPE's buffer
-        return None
-    G, D = k.pool.shape[1], k.pool.shape[-1]
-    panels = panels if panels is not None else [None] * 4
-    CALLS["gqa_block"] += 1  # one call, its attention gqa_decode's kernel
-    _count_products(panels)
-    count_flops("attention", 2 * n_head * 2 * D * _keys(k))
-    count_flops("linear", 2 * B * sum(w.numel() for w in (*w_qkv, w_o, *w_up, w_down)))
-    return ext.gqa_block(
-        x, norms[0], norms[1], norms[2], w_qkv, w_o, w_up, w_down, cos, sin, k.pool, v.pool, k.block_table,
-        k.start, k.end, n_head, scale, _splits(B * G, k), panels,
-    )  # fmt: skip
-
-
-def _block_extension(name: str, x: torch.Tensor, tensors: tuple):
-    """The extension when its block kernel ``name`` takes x (B, 1, d) and the block's other tensors: a built
-    extension with the kernel, no autograd, not traced, x a contiguous float32 CPU tensor of one new token for up
-    to ``FEW_ROWS`` sequences (its products'), the rest plain contiguous float32 CPU tensors; else None."""
-    ext = cpu.extension()
-    if ext is None or not hasattr(ext, name) or torch.is_grad_enabled() or torch.compiler.is_compiling():
-        return None
-    if type(x) is not torch.Tensor or not few_rows._plain(x) or x.dim() != 3 or x.shape[1] != 1:
-        return None
-    if not 0 < x.shape[0] <= few_rows.FEW_ROWS or not all(few_rows._plain(t) for t in tensors):
-        return None
-    return ext
-
-
-def _count_products(panels: list) -> None:
-    """A block kernel's weight products in the few-row kernel's call counters: on panels or the plain weights."""
-    for p in panels:
-        LINEAR_CALLS["panels" if p is not None else "few_rows"] += 1
-
-
-def mla_block(
-    x: torch.Tensor,
-    norms: tuple[torch.Tensor, torch.Tensor, float],
-    w_q: torch.Tensor,
-    w_kv_a: torch.Tensor,
-    latent_norm: tuple[torch.Tensor | None, float, float],
-    absorbed: tuple[torch.Tensor, torch.Tensor],
-    w_o: torch.Tensor,
-    mlp: tuple[list[torch.Tensor], torch.Tensor],
-    rope: tuple[torch.Tensor, torch.Tensor],
-    c_kv: BlockView,
-    k_rope: BlockView,
-    scale: float,
-    panels: list[torch.Tensor | None] | None = None,
-) -> torch.Tensor | None:
-    """``gqa_block`` for MLA's absorbed route (csrc/decode_block.h): W^Q and W^DKV, RoPE, c_kv = alpha
-    RMSNorm(c) into the cache with k^R, q^C W~^UK, attention over the latent, z W~^UV, W^O, then the residual
-    and SwiGLU half. latent_norm: (kv_norm weight or None, its eps, alpha_kv); absorbed: (W~^UK (h, d_h, d_c),
-    W~^UV (h, d_c, d_h)); panels: of its 5 products (W^Q, W^DKV, W^O, [W_1; W_2], W_O of the MLP), as
-    ``gqa_block``'s. None where it does not apply (as ``gqa_block``, and head widths not multiples of 16)."""
-    (w_up, w_down), (w_uk, w_uv), (kv_norm, kv_eps, alpha) = mlp, absorbed, latent_norm
-    tensors = (w_q, w_kv_a, w_uk, w_uv, w_o, *w_up, w_down, norms[0], norms[1], *rope)
-    ext = _block_extension("mla_block", x, tensors if kv_norm is None else (*tensors, kv_norm))
-    if ext is None:
-        return None
-    B = x.shape[0]
-    if w_uk.shape[1] % 16 or w_uk.shape[2] % 16 or k_rope.pool.shape[-1] > 512:  # head products' widths, RoPE's
-        return None
-    for view in (c_kv, k_rope):
-        if view.scale is not None or view.pool.dtype is not torch.float32 or view.pool.dim() != 3:
-            return None
-    if _check_pool(x, c_kv, "c_kv") or _check_rope(x, k_rope, c_kv, "c_kv"):
-        return None
-    H, Dc = w_uk.shape[0], w_uk.shape[2]
-    panels = panels if panels is not None else [None] * 5
-    CALLS["mla_block"] += 1  # one call, its attention latent_decode's kernel
-    _count_products(panels[1:] if panels[0] is None and panels[1] is None else panels)  # W^Q, W^DKV: one call
-    LINEAR_CALLS["head_products"] += 2
-    count_flops("attention", 2 * H * (2 * Dc + k_rope.pool.shape[-1]) * _keys(c_kv))
-    count_flops("linear", 2 * B * sum(w.numel() for w in (w_q, w_kv_a, w_uk, w_uv, w_o, *w_up, w_down)))
-    return ext.mla_block(
-        x, norms[0], norms[1], norms[2], w_q, w_kv_a, kv_norm, kv_eps, alpha, w_uk, w_uv, w_o, w_up, w_down,
-        *rope, c_kv.pool, k_rope.pool, c_kv.block_table, c_kv.start, c_kv.end, scale, _splits(B, c_kv), panels,
-    )  # fmt: skip
 
 
 def _triton_reason(q: torch.Tensor) -> str | None:

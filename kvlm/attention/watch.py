@@ -1,0 +1,101 @@
+"""What a plan built once and reused every decode step relies on (``kvlm.model.Block.one_call``: the decoder
+block's weights, panels and flags gathered for one kernel call), and a check of it that costs a few
+microseconds a step instead of the ~50 (warm; 2-4x that cold, after each weight stream) of gathering it again.
+
+A plan goes stale when a module it was built from changes. Those changes reach the modules in three ways, and
+``Bound.holds`` sees each:
+- attributes set, deleted or registered (a weight or submodule replaced, ``eps`` or a flag changed, weights
+  packed or dropped, ``train()``, ``.to()``): kvlm's modules are ``Watched``, whose ``__setattr__``,
+  ``__delattr__`` and ``_apply`` advance a global count (``epoch``); code that writes a module's ``__dict__``
+  directly calls ``touch``;
+- tensors written in place or swapped under the module (``load_state_dict`` copies, an optimizer step,
+  ``torch.func.functional_call``, which writes ``_parameters`` directly): every parameter of the modules is
+  checked by identity in its module, version counter and data pointer (derived copies, e.g. panels or MLA's
+  absorbed weights, were built from the old values);
+- forward hooks, which a plan would skip (it declines under them): checked on every module, and torch's global
+  ones, added or removed.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.nn.modules import module as _nn_module
+
+_epoch = 0
+
+
+def epoch() -> int:
+    """How many times a watched module's attributes have changed in this process."""
+    return _epoch
+
+
+def touch() -> None:
+    """Mark every plan built before now stale (for code that writes a module's ``__dict__`` directly)."""
+    global _epoch
+    _epoch += 1
+
+
+class Watched:
+    """Mixin (before ``nn.Module`` or its subclass among the bases): any attribute set, deleted or registered and
+    any ``_apply`` (``.to()``, ``.float()``, ...) marks plans stale (``touch``)."""
+
+    def __setattr__(self, name, value):
+        touch()
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name):
+        touch()
+        super().__delattr__(name)
+
+    def register_parameter(self, name, param):
+        touch()
+        super().register_parameter(name, param)
+
+    def register_buffer(self, name, tensor, persistent=True):
+        touch()
+        super().register_buffer(name, tensor, persistent)
+
+    def register_module(self, name, module):
+        touch()
+        super().register_module(name, module)
+
+    add_module = register_module
+
+    def _apply(self, fn, recurse=True):
+        touch()
+        return super()._apply(fn, recurse)
+
+
+def hooked(*modules: nn.Module) -> bool:
+    """Whether a forward call of any of ``modules`` would run hooks (their own or torch's global ones): a
+    decode path that computes them in one kernel call would skip those, so it declines."""
+    if _nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+
+
+class Bound:
+    """The state of ``modules`` when a plan was built from them; ``holds()`` while nothing it relies on has
+    changed (see the module docstring). Holds its parameters, so their identities stay unique."""
+
+    def __init__(self, modules: list[nn.Module]):
+        self.epoch = _epoch
+        self.modules = tuple(modules)
+        self.hooked = hooked(*self.modules)  # a plan built under hooks (none) is stale once they are gone
+        self.params = tuple(
+            (m._parameters, name, p, None if p is None else (p._version, p.data_ptr()))
+            for m in self.modules
+            for name, p in m._parameters.items()
+        )
+        self.counts = tuple((m._parameters, len(m._parameters)) for m in self.modules)  # one added directly
+
+    def holds(self) -> bool:
+        if _epoch != self.epoch or hooked(*self.modules) != self.hooked:
+            return False
+        for params, n in self.counts:
+            if len(params) != n:
+                return False
+        for params, name, p, state in self.params:
+            if params.get(name) is not p or (p is not None and (p._version, p.data_ptr()) != state):
+                return False
+        return True

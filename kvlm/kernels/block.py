@@ -1,0 +1,193 @@
+"""The decoder block in one call of the extension at one new token a sequence (csrc/decode_block.h): RMSNorm,
+the few-row weight products, RoPE, the new token's cache write, attention over the cache, the residuals and
+SwiGLU, for up to ``FEW_ROWS`` sequences in float32 on an AVX-512 CPU.
+
+Each kernel comes in two parts: ``gqa_block_call`` / ``mla_block_call`` check the block's weights once and return
+the call a decode step makes (``call(x, rope, views...)``), which checks only what changes from step to step (the
+input, the RoPE tables, the cache's views, autograd, torch.compile, kernels switched off); a caller that keeps the
+call must drop it when the weights change (``kvlm.model.Block.one_call`` does, through
+``kvlm.attention.watch.Bound``). ``gqa_block`` / ``mla_block`` do both at once. Every part returns None where it
+does not apply; the caller then runs the block's operators one by one, which compute the same. The extension
+checks every tensor again (``check_block_call``) before it writes anything."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+import kvlm.kernels.cpu as cpu  # cpu.extension() looked up at each call, as in kvlm.kernels
+import kvlm.kernels.few_rows as few_rows  # few_rows.FEW_ROWS read at each call (tests turn it off)
+from kvlm.kernels.shared import CALLS, LINEAR_CALLS, count_flops
+from kvlm.kernels.views import _check_pool, _check_rope, _keys, _same_pages, _splits
+
+if TYPE_CHECKING:
+    from kvlm.cache.layer import BlockView
+
+Rope = tuple[torch.Tensor, torch.Tensor]
+
+
+def _has(name: str) -> bool:
+    ext = cpu.extension()
+    return ext is not None and hasattr(ext, name)
+
+
+def _extension_for(name: str, x: torch.Tensor, rope: Rope):
+    """The extension when its block kernel ``name`` takes x (B, 1, d) and the RoPE tables now: a built extension
+    with the kernel, no autograd, not traced, x a contiguous float32 CPU tensor of one new token for up to
+    ``FEW_ROWS`` sequences (its products'), the tables plain contiguous float32 CPU tensors; else None."""
+    ext = cpu.extension()
+    if ext is None or not hasattr(ext, name) or torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return None
+    if type(x) is not torch.Tensor or not few_rows._plain(x) or x.dim() != 3 or x.shape[1] != 1:
+        return None
+    if not 0 < x.shape[0] <= few_rows.FEW_ROWS or not (few_rows._plain(rope[0]) and few_rows._plain(rope[1])):
+        return None
+    return ext
+
+
+def _count_products(panels: list) -> None:
+    """A block kernel's weight products in the few-row kernel's call counters: on panels or the plain weights."""
+    for p in panels:
+        LINEAR_CALLS["panels" if p is not None else "few_rows"] += 1
+
+
+def gqa_block_call(
+    norms: tuple[torch.Tensor, torch.Tensor, float],
+    w_qkv: list[torch.Tensor],
+    w_o: torch.Tensor,
+    mlp: tuple[list[torch.Tensor], torch.Tensor],
+    n_head: int,
+    scale: float,
+    panels: list[torch.Tensor | None] | None = None,
+) -> Callable[[torch.Tensor, Rope, BlockView, BlockView], torch.Tensor | None] | None:
+    """``gqa_block``'s weights checked once: the call ``call(x, rope, k, v)`` of a decode step, or None (kernels
+    unavailable, weights that are not plain contiguous float32 CPU tensors)."""
+    w_up, w_down = mlp
+    weights = (*w_qkv, w_o, *w_up, w_down)
+    if not _has("gqa_block") or not all(few_rows._plain(t) for t in (*weights, norms[0], norms[1])):
+        return None
+    panels = list(panels) if panels is not None else [None] * 4
+    weight_elements = sum(w.numel() for w in weights)
+
+    def call(x: torch.Tensor, rope: Rope, k: BlockView, v: BlockView) -> torch.Tensor | None:
+        ext = _extension_for("gqa_block", x, rope)
+        if ext is None or k.scale is not None or v.scale is not None:
+            return None
+        if k.pool.dtype is not torch.float32 or v.pool.dtype is not torch.float32:
+            return None
+        if _check_pool(x, k, "k") or _check_pool(x, v, "v") or k.pool.dim() != 4 or k.pool.shape != v.pool.shape:
+            return None
+        B, D = x.shape[0], k.pool.shape[-1]
+        if not _same_pages(k, v) or rope[0].numel() != B * D or D > 512:  # RoPE's buffer
+            return None
+        CALLS["gqa_block"] += 1  # one call, its attention gqa_decode's kernel
+        _count_products(panels)
+        count_flops("attention", 2 * n_head * 2 * D * _keys(k))
+        count_flops("linear", 2 * B * weight_elements)
+        return ext.gqa_block(
+            x, norms[0], norms[1], norms[2], w_qkv, w_o, w_up, w_down, *rope, k.pool, v.pool, k.block_table,
+            k.start, k.end, n_head, scale, _splits(B * k.pool.shape[1], k), panels,
+        )  # fmt: skip
+
+    return call
+
+
+def gqa_block(
+    x: torch.Tensor,
+    norms: tuple[torch.Tensor, torch.Tensor, float],
+    w_qkv: list[torch.Tensor],
+    w_o: torch.Tensor,
+    mlp: tuple[list[torch.Tensor], torch.Tensor],
+    rope: Rope,
+    k: BlockView,
+    v: BlockView,
+    n_head: int,
+    scale: float,
+    panels: list[torch.Tensor | None] | None = None,
+) -> torch.Tensor | None:
+    """One pre-norm MHA / GQA / MQA decoder block with a SwiGLU MLP at one new token a sequence, in one call of
+    the extension (csrc/decode_block.h): x (B, 1, d) -> x1 + MLP(RMSNorm(x1)), x1 = x + attention(RMSNorm(x)),
+    the new token's K and V written into the pools at its slot first (where the attention kernel reads it).
+    norms: (attention norm weight, MLP norm weight, eps); w_qkv [W^Q, W^K, W^V]; mlp ([W_1, W_2], W_O); rope:
+    the whole-width tables (B, 1, 1, D) of ``Step.cos_sin``; k, v the layer's views (float32 pools, one page
+    table); panels: of the 4 products ([W^Q; W^K; W^V], W^O, [W_1; W_2], W_O of the MLP), each the weights'
+    panels (``few_rows.pack_panels``) or None (the plain weights). None where it does not apply: more than
+    ``FEW_ROWS`` sequences, another dtype or device, tensor subclasses, autograd on, quantized or bf16 pools,
+    kernels unavailable, under torch.compile; the caller then runs the block's operators one by one, which
+    compute the same."""
+    call = gqa_block_call(norms, w_qkv, w_o, mlp, n_head, scale, panels)
+    return None if call is None else call(x, rope, k, v)
+
+
+def mla_block_call(
+    norms: tuple[torch.Tensor, torch.Tensor, float],
+    w_q: torch.Tensor,
+    w_kv_a: torch.Tensor,
+    latent_norm: tuple[torch.Tensor | None, float, float],
+    absorbed: tuple[torch.Tensor, torch.Tensor],
+    w_o: torch.Tensor,
+    mlp: tuple[list[torch.Tensor], torch.Tensor],
+    scale: float,
+    panels: list[torch.Tensor | None] | None = None,
+) -> Callable[[torch.Tensor, Rope, BlockView, BlockView], torch.Tensor | None] | None:
+    """``mla_block``'s weights checked once: the call ``call(x, rope, c_kv, k_rope)`` of a decode step, or None
+    (as ``gqa_block_call``, and head widths not multiples of 16)."""
+    (w_up, w_down), (w_uk, w_uv), (kv_norm, kv_eps, alpha) = mlp, absorbed, latent_norm
+    weights = (w_q, w_kv_a, w_uk, w_uv, w_o, *w_up, w_down)
+    tensors = (*weights, norms[0], norms[1], *(() if kv_norm is None else (kv_norm,)))
+    if not _has("mla_block") or not all(few_rows._plain(t) for t in tensors):
+        return None
+    if w_uk.shape[1] % 16 or w_uk.shape[2] % 16:  # the head products' widths
+        return None
+    panels = list(panels) if panels is not None else [None] * 5
+    counted = panels[1:] if panels[0] is None and panels[1] is None else panels  # W^Q, W^DKV: one call
+    H, Dc = w_uk.shape[0], w_uk.shape[2]
+    weight_elements = sum(w.numel() for w in weights)
+
+    def call(x: torch.Tensor, rope: Rope, c_kv: BlockView, k_rope: BlockView) -> torch.Tensor | None:
+        ext = _extension_for("mla_block", x, rope)
+        if ext is None or k_rope.pool.shape[-1] > 512:  # RoPE's buffer
+            return None
+        for view in (c_kv, k_rope):
+            if view.scale is not None or view.pool.dtype is not torch.float32 or view.pool.dim() != 3:
+                return None
+        if _check_pool(x, c_kv, "c_kv") or _check_rope(x, k_rope, c_kv, "c_kv"):
+            return None
+        B = x.shape[0]
+        CALLS["mla_block"] += 1  # one call, its attention latent_decode's kernel
+        _count_products(counted)
+        LINEAR_CALLS["head_products"] += 2
+        count_flops("attention", 2 * H * (2 * Dc + k_rope.pool.shape[-1]) * _keys(c_kv))
+        count_flops("linear", 2 * B * weight_elements)
+        return ext.mla_block(
+            x, norms[0], norms[1], norms[2], w_q, w_kv_a, kv_norm, kv_eps, alpha, w_uk, w_uv, w_o, w_up, w_down,
+            *rope, c_kv.pool, k_rope.pool, c_kv.block_table, c_kv.start, c_kv.end, scale, _splits(B, c_kv), panels,
+        )  # fmt: skip
+
+    return call
+
+
+def mla_block(
+    x: torch.Tensor,
+    norms: tuple[torch.Tensor, torch.Tensor, float],
+    w_q: torch.Tensor,
+    w_kv_a: torch.Tensor,
+    latent_norm: tuple[torch.Tensor | None, float, float],
+    absorbed: tuple[torch.Tensor, torch.Tensor],
+    w_o: torch.Tensor,
+    mlp: tuple[list[torch.Tensor], torch.Tensor],
+    rope: Rope,
+    c_kv: BlockView,
+    k_rope: BlockView,
+    scale: float,
+    panels: list[torch.Tensor | None] | None = None,
+) -> torch.Tensor | None:
+    """``gqa_block`` for MLA's absorbed route (csrc/decode_block.h): W^Q and W^DKV, RoPE, c_kv = alpha
+    RMSNorm(c) into the cache with k^R, q^C W~^UK, attention over the latent, z W~^UV, W^O, then the residual
+    and SwiGLU half. latent_norm: (kv_norm weight or None, its eps, alpha_kv); absorbed: (W~^UK (h, d_h, d_c),
+    W~^UV (h, d_c, d_h)); panels: of its 5 products (W^Q, W^DKV, W^O, [W_1; W_2], W_O of the MLP), as
+    ``gqa_block``'s. None where it does not apply (as ``gqa_block``, and head widths not multiples of 16)."""
+    call = mla_block_call(norms, w_q, w_kv_a, latent_norm, absorbed, w_o, mlp, scale, panels)
+    return None if call is None else call(x, rope, c_kv, k_rope)
