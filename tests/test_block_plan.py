@@ -146,3 +146,19 @@ def test_a_copy_carries_no_plan_of_the_original():
     assert fused == 4 * twin.cfg.n_layer
     with torch.inference_mode():
         torch.testing.assert_close(got, twin(tokens)[:, 4:], rtol=2e-5, atol=2e-5)
+
+
+def test_a_model_built_under_inference_mode_keeps_its_plans(monkeypatch):
+    """Inference tensors have no version counter: their data pointers and identities are still checked."""
+    built = []
+    plan = Block.one_call_plan
+    monkeypatch.setattr(Block, "one_call_plan", lambda self: built.append(self) or plan(self))
+    with torch.inference_mode():
+        model = _model("mla", MLA)
+        tokens = torch.randint(0, 101, (3, 8), generator=torch.Generator().manual_seed(4))
+        got, fused = _decode(model, tokens, 4, "absorbed")
+        assert fused == 4 * model.cfg.n_layer and len(built) == model.cfg.n_layer
+        torch.testing.assert_close(got, model(tokens)[:, 4:], rtol=2e-5, atol=2e-5)
+        _reassigned(model)
+        got, _ = _decode(model, tokens, 4, "absorbed")
+        torch.testing.assert_close(got, model(tokens)[:, 4:], rtol=2e-5, atol=2e-5)

@@ -83,7 +83,7 @@ class Bound:
         self.modules = tuple(modules)
         self.hooked = hooked(*self.modules)  # a plan built under hooks (none) is stale once they are gone
         self.params = tuple(
-            (m._parameters, name, p, None if p is None else (p._version, p.data_ptr()))
+            (m._parameters, name, p, _version(p), None if p is None else p.data_ptr())
             for m in self.modules
             for name, p in m._parameters.items()
         )
@@ -95,7 +95,15 @@ class Bound:
         for params, n in self.counts:
             if len(params) != n:
                 return False
-        for params, name, p, state in self.params:
-            if params.get(name) is not p or (p is not None and (p._version, p.data_ptr()) != state):
+        for params, name, p, version, ptr in self.params:
+            if params.get(name) is not p:
+                return False
+            if p is not None and ((version is not None and p._version != version) or p.data_ptr() != ptr):
                 return False
         return True
+
+
+def _version(p) -> int | None:
+    """The in-place write counter, or None: no parameter, or an inference tensor (a model built under
+    torch.inference_mode), which has none; such weights are trusted, as their packed copies are."""
+    return None if p is None or p.is_inference() else p._version
