@@ -1,5 +1,5 @@
 """The decoder block in one kernel call against the same block module by module (issue 15, "the rest of the
-step"): a decode step at the bench reference shape with ``kvlm.kernels.gqa_block`` / ``mla_block`` on and off,
+step"): a decode step at the bench reference shape with ``kvlm.kernels.gqa_block_call`` / ``mla_block_call`` on and off,
 and on with its plan (the block's weights gathered and checked, ``Block.one_call_plan``) built again every step
 instead of kept (``kvlm.attention.watch.Bound``), interleaved in one process (the arms alternate, their order
 reversed every round), weights packed as ``generate`` packs them, the cache filled to the context and rolled back

@@ -119,7 +119,10 @@ class Block(Watched, nn.Module):
         return None if kept[1] is None else kept[1](x, step, cache)
 
     def one_call_plan(self):
-        """``Attention.decode_block_plan`` for this block's weights, or None (not of that form, or hooks)."""
+        """``Attention.decode_block_plan`` for this block's weights, or None (not of that form, or a module of the
+        block has forward hooks: those fire only module by module)."""
+        if hooked(*self.modules()):
+            return None
         weights = self.decode_block_weights()
         plan = getattr(self.attn, "decode_block_plan", None)  # a tensor-parallel wrapper has none
         return plan(weights) if weights is not None and plan is not None else None
@@ -130,8 +133,6 @@ class Block(Watched, nn.Module):
         None), or None where the block is not of that form."""
         an, mn, mlp = self.attn_norm, self.mlp_norm, self.mlp
         if type(an) is not RMSNorm or type(mn) is not RMSNorm or type(mlp) is not SwiGLU or an.eps != mn.eps:
-            return None
-        if hooked(self, an, mn, mlp, mlp.w1, mlp.w2, mlp.wo):  # their hooks fire only module by module
             return None
         if mlp.w1.bias is not None or mlp.w2.bias is not None or mlp.wo.bias is not None:
             return None

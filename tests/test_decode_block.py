@@ -1,5 +1,5 @@
 """The whole MHA / GQA / MQA decoder block, and absorbed MLA's, in one kernel call at decode
-(kvlm.kernels.gqa_block, mla_block; csrc/decode_block.h) against the same block run module by module (the plain path), in float32: logits of
+(kvlm.kernels.gqa_block_call, mla_block_call; csrc/decode_block.h) against the same block run module by module (the plain path), in float32: logits of
 consecutive decode steps (each reads the K and V the step before wrote), on the contiguous cache with and
 without left padding and on the paged cache; and the cases it must decline."""
 

@@ -227,7 +227,7 @@ def test_model_decode_kernels_on_equals_off(attention, extra, counter, monkeypat
     """Whole-model decoding (prompt of 6 new tokens, then 5 single steps) with the kernels equals the plain path,
     and the decode layers do call the kernel: n_layer calls per model call (the counter fails if the dispatch
     silently stops using it), a single step's either the attention kernel's or, where the whole block runs as
-    one call (kvlm.kernels.gqa_block / mla_block, whose attention is that kernel), the block's."""
+    one call (kvlm.kernels.gqa_block_call / mla_block_call, whose attention is that kernel), the block's."""
     torch.manual_seed(0)
     cfg = tiny_config(attention, **extra)
     model = build_model(cfg).eval()

@@ -43,6 +43,7 @@ from torch import nn
 from torch.utils.flop_counter import register_flop_formula
 
 from kvlm.attention.watch import Watched, hooked, touch
+from kvlm.attention.watch import version as _version
 from kvlm.kernels.few_rows import (
     FEW_ROWS,
     MAX_ROWS,
@@ -144,12 +145,6 @@ def _applies(rows: int | str, n: int) -> bool:
     return n >= Linear.min_rows if rows == ANY_ROWS else n == rows
 
 
-def _version(w: torch.Tensor) -> int:
-    """The weight's in-place write counter (stale packed copies); inference tensors (a model built under
-    torch.inference_mode) have none: their packed copy is trusted until repacked."""
-    return -1 if w.is_inference() else w._version
-
-
 def _plain_cpu_float32(w: torch.Tensor) -> bool:
     """A plain float32 CPU tensor (not a tensor-parallel shard's DTensor, not float64: the reference path)."""
     return type(w.data) is torch.Tensor and w.device.type == "cpu" and w.dtype == torch.float32
@@ -187,7 +182,7 @@ class Linear(Watched, nn.Linear):
         return self._packed is not None and self._packed[0][2] == PANELS
 
     def first_panels(self) -> tuple[bool, torch.Tensor | None]:
-        """For a product in C++ (kvlm.kernels.gqa_block): (True, the panels) where they go first, (True, None)
+        """For a product in C++ (kvlm.kernels.gqa_block_call): (True, the panels) where they go first, (True, None)
         where the plain weight does, (False, None) where the panels would but are stale or there is a bias."""
         if not self.packed_first():
             return True, None

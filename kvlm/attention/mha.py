@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvlm import kernels
-from kvlm.attention.base import Attention, GroupPacking, Linear, Step, attend, hooked, require, softmax_scale
+from kvlm.attention.base import Attention, GroupPacking, Linear, Step, attend, require, softmax_scale
 from kvlm.attention.registry import register
 from kvlm.attention.rope import RotaryEmbedding, apply_rope
 
@@ -83,10 +83,10 @@ class MultiHeadAttention(Attention, GroupPacking):
         return self.output(o, x)
 
     def decode_block_plan(self, block_weights: tuple):
-        """The block in one call of kvlm.kernels.gqa_block (RoPE, no bias, no output gate; each product on its
+        """The block in one call of kvlm.kernels.gqa_block_call (RoPE, no bias, no output gate; each product on its
         panels where they go first, else on the plain weights), else None. The same values as the modules one by
         one, whose operators between the step's kernels cost ~190 us a layer."""
-        if self.rope is None or self.gate is not None or self.cfg.bias or hooked(self, self.wq, self.wk, self.wv, self.wo):
+        if self.rope is None or self.gate is not None or self.cfg.bias:
             return None
         (qkv_ok, qkv_panels), (o_ok, o_panels) = self.group_panels(("wq", "wk", "wv")), self.wo.first_panels()
         if not (qkv_ok and o_ok):

@@ -59,7 +59,7 @@ import torch.nn.functional as F
 
 from kvlm import kernels
 from kvlm.attention import register
-from kvlm.attention.base import Step, hooked, require
+from kvlm.attention.base import Step, require
 from kvlm.attention.latent import LatentAttention, check_latent_config
 from kvlm.attention.latent_ops import head_matmul, latent_attention
 from kvlm.attention.rope import apply_rope
@@ -238,15 +238,13 @@ class MLA(LatentAttention):
         return self.output(o, x)
 
     def decode_block_plan(self, block_weights: tuple):
-        """The block in one call of kvlm.kernels.mla_block on the absorbed route (one latent, no query
+        """The block in one call of kvlm.kernels.mla_block_call on the absorbed route (one latent, no query
         compression, no folds, no bias or output gate, one RoPE key; each product on its panels where they go
         first), else None: the same values as ``forward_absorbed`` and the modules around it one by one. Its steps
         decline where the route is not the absorbed one."""
         if self.q_lora_rank or self.separate or self.gate is not None:
             return None
         if self.cfg.bias or not self.rope_head_dim or self.rope_kv_heads != 1 or self.kv_norm is None:
-            return None
-        if hooked(self, self.wq, self.wkv_a, self.wo, self.kv_norm):
             return None
         (q_ok, q_panels), (kv_ok, kv_panels), (o_ok, o_panels) = (
             self.wq.first_panels(), self.wkv_a.first_panels(), self.wo.first_panels()
@@ -267,7 +265,7 @@ class MLA(LatentAttention):
         label = self.route_label("absorbed")
 
         def plan(x: torch.Tensor, step: Step, cache) -> torch.Tensor | None:
-            if cache is None or self.route(step, cache) != "absorbed":
+            if self.route(step, cache) != "absorbed":
                 return None
             y = call(x, self.cos_sin(step, x.dtype), cache.block_view("c_kv", step), cache.block_view("k_rope", step))
             if y is not None:

@@ -6,7 +6,7 @@ A plan goes stale when a module it was built from changes. Those changes reach t
 ``Bound.holds`` sees each:
 - attributes set, deleted or registered (a weight or submodule replaced, ``eps`` or a flag changed, weights
   packed or dropped, ``train()``, ``.to()``): kvlm's modules are ``Watched``, whose ``__setattr__``,
-  ``__delattr__`` and ``_apply`` advance a global count (``epoch``); code that writes a module's ``__dict__``
+  ``__delattr__`` and ``_apply`` advance a global count (``touch``); code that writes a module's ``__dict__``
   directly calls ``touch``;
 - tensors written in place or swapped under the module (``load_state_dict`` copies, an optimizer step,
   ``torch.func.functional_call``, which writes ``_parameters`` directly): every parameter of the modules is
@@ -22,11 +22,6 @@ from torch import nn
 from torch.nn.modules import module as _nn_module
 
 _epoch = 0
-
-
-def epoch() -> int:
-    """How many times a watched module's attributes have changed in this process."""
-    return _epoch
 
 
 def touch() -> None:
@@ -83,7 +78,7 @@ class Bound:
         self.modules = tuple(modules)
         self.hooked = hooked(*self.modules)  # a plan built under hooks (none) is stale once they are gone
         self.params = tuple(
-            (m._parameters, name, p, _version(p), None if p is None else p.data_ptr())
+            (m._parameters, name, p, -1 if p is None else version(p), None if p is None else p.data_ptr())
             for m in self.modules
             for name, p in m._parameters.items()
         )
@@ -98,12 +93,12 @@ class Bound:
         for params, name, p, version, ptr in self.params:
             if params.get(name) is not p:
                 return False
-            if p is not None and ((version is not None and p._version != version) or p.data_ptr() != ptr):
+            if p is not None and ((version != -1 and p._version != version) or p.data_ptr() != ptr):
                 return False
         return True
 
 
-def _version(p) -> int | None:
-    """The in-place write counter, or None: no parameter, or an inference tensor (a model built under
-    torch.inference_mode), which has none; such weights are trusted, as their packed copies are."""
-    return None if p is None or p.is_inference() else p._version
+def version(w) -> int:
+    """The tensor's in-place write counter; -1 for an inference tensor (a model built under
+    torch.inference_mode), which has none: such weights, and copies derived from them, are trusted."""
+    return -1 if w.is_inference() else w._version

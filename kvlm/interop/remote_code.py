@@ -87,14 +87,6 @@ def rms_norm(*args, **kwargs):
     return None
 
 
-def gqa_block(*args, **kwargs):
-    return None
-
-
-def mla_block(*args, **kwargs):
-    return None
-
-
 def gqa_block_call(*args, **kwargs):
     return None
 
@@ -145,8 +137,8 @@ def packed_linear(x, weights, biases):
 
 kernels = SimpleNamespace(
     CALLS=CALLS, FLOPS=FLOPS, MAX_NEW=MAX_NEW, KernelUnavailable=KernelUnavailable, ready=ready,
-    latent_decode=latent_decode, gqa_decode=gqa_decode, rms_norm=rms_norm, gqa_block=gqa_block,
-    mla_block=mla_block, gqa_block_call=gqa_block_call, mla_block_call=mla_block_call,
+    latent_decode=latent_decode, gqa_decode=gqa_decode, rms_norm=rms_norm, gqa_block_call=gqa_block_call,
+    mla_block_call=mla_block_call,
 )
 '''
 FALLBACKS = {"kvlm.kernels": ("kvlm_kernels_fallback", _KERNELS_FALLBACK)}

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvlm.kernels import cpu
-from kvlm.kernels.block import gqa_block, gqa_block_call, mla_block, mla_block_call  # noqa: F401 (re-exported)
+from kvlm.kernels.block import gqa_block_call, mla_block_call  # noqa: F401 (re-exported)
 from kvlm.kernels.shared import (  # noqa: F401 (re-exported)
     CALLS,
     FLOPS,
@@ -333,8 +333,8 @@ __all__ = [
     "MAX_NEW",
     "KernelUnavailable",
     "ready",
-    "gqa_block",
-    "mla_block",
+    "gqa_block_call",
+    "mla_block_call",
     "gqa_decode",
     "latent_block_decode",
     "latent_decode",

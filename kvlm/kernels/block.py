@@ -2,12 +2,11 @@
 the few-row weight products, RoPE, the new token's cache write, attention over the cache, the residuals and
 SwiGLU, for up to ``FEW_ROWS`` sequences in float32 on an AVX-512 CPU.
 
-Each kernel comes in two parts: ``gqa_block_call`` / ``mla_block_call`` check the block's weights once and return
-the call a decode step makes (``call(x, rope, views...)``), which checks only what changes from step to step (the
-input, the RoPE tables, the cache's views, autograd, torch.compile, kernels switched off); a caller that keeps the
-call must drop it when the weights change (``kvlm.model.Block.one_call`` does, through
-``kvlm.attention.watch.Bound``). ``gqa_block`` / ``mla_block`` do both at once. Every part returns None where it
-does not apply; the caller then runs the block's operators one by one, which compute the same. The extension
+``gqa_block_call`` / ``mla_block_call`` check the block's weights once and return the call a decode step makes
+(``call(x, rope, views...)``), which checks only what changes from step to step (the input, the RoPE tables, the
+cache's views, autograd, torch.compile, kernels switched off); a caller that keeps the call must drop it when the
+weights change (``kvlm.model.Block.one_call`` does, through ``kvlm.attention.watch.Bound``). Both parts return
+None where they do not apply; the caller then runs the block's operators one by one, which compute the same. The extension
 checks every tensor again (``check_block_call``) before it writes anything."""
 
 from __future__ import annotations
@@ -62,8 +61,19 @@ def gqa_block_call(
     scale: float,
     panels: list[torch.Tensor | None] | None = None,
 ) -> Callable[[torch.Tensor, Rope, BlockView, BlockView], torch.Tensor | None] | None:
-    """``gqa_block``'s weights checked once: the call ``call(x, rope, k, v)`` of a decode step, or None (kernels
-    unavailable, weights that are not plain contiguous float32 CPU tensors)."""
+    """One pre-norm MHA / GQA / MQA decoder block with a SwiGLU MLP at one new token a sequence, in one call of
+    the extension (csrc/decode_block.h): x (B, 1, d) -> x1 + MLP(RMSNorm(x1)), x1 = x + attention(RMSNorm(x)),
+    the new token's K and V written into the pools at its slot first (where the attention kernel reads it).
+    norms: (attention norm weight, MLP norm weight, eps); w_qkv [W^Q, W^K, W^V]; mlp ([W_1, W_2], W_O); panels:
+    of the 4 products ([W^Q; W^K; W^V], W^O, [W_1; W_2], W_O of the MLP), each the weights' panels
+    (``few_rows.pack_panels``) or None (the plain weights).
+
+    Returns the step's call ``call(x, rope, k, v)`` (rope: the whole-width tables (B, 1, 1, D) of
+    ``Step.cos_sin``; k, v the layer's views: float32 pools, one page table), or None (kernels unavailable,
+    weights that are not plain contiguous float32 CPU tensors). The call returns None where the step does not
+    apply: more than ``FEW_ROWS`` sequences, another dtype or device, tensor subclasses, autograd on, quantized or
+    bf16 pools, kernels off, under torch.compile; the caller then runs the block's operators one by one, which
+    compute the same."""
     w_up, w_down = mlp
     weights = (*w_qkv, w_o, *w_up, w_down)
     if not _has("gqa_block") or not all(few_rows._plain(t) for t in (*weights, norms[0], norms[1])):
@@ -94,33 +104,6 @@ def gqa_block_call(
     return call
 
 
-def gqa_block(
-    x: torch.Tensor,
-    norms: tuple[torch.Tensor, torch.Tensor, float],
-    w_qkv: list[torch.Tensor],
-    w_o: torch.Tensor,
-    mlp: tuple[list[torch.Tensor], torch.Tensor],
-    rope: Rope,
-    k: BlockView,
-    v: BlockView,
-    n_head: int,
-    scale: float,
-    panels: list[torch.Tensor | None] | None = None,
-) -> torch.Tensor | None:
-    """One pre-norm MHA / GQA / MQA decoder block with a SwiGLU MLP at one new token a sequence, in one call of
-    the extension (csrc/decode_block.h): x (B, 1, d) -> x1 + MLP(RMSNorm(x1)), x1 = x + attention(RMSNorm(x)),
-    the new token's K and V written into the pools at its slot first (where the attention kernel reads it).
-    norms: (attention norm weight, MLP norm weight, eps); w_qkv [W^Q, W^K, W^V]; mlp ([W_1, W_2], W_O); rope:
-    the whole-width tables (B, 1, 1, D) of ``Step.cos_sin``; k, v the layer's views (float32 pools, one page
-    table); panels: of the 4 products ([W^Q; W^K; W^V], W^O, [W_1; W_2], W_O of the MLP), each the weights'
-    panels (``few_rows.pack_panels``) or None (the plain weights). None where it does not apply: more than
-    ``FEW_ROWS`` sequences, another dtype or device, tensor subclasses, autograd on, quantized or bf16 pools,
-    kernels unavailable, under torch.compile; the caller then runs the block's operators one by one, which
-    compute the same."""
-    call = gqa_block_call(norms, w_qkv, w_o, mlp, n_head, scale, panels)
-    return None if call is None else call(x, rope, k, v)
-
-
 def mla_block_call(
     norms: tuple[torch.Tensor, torch.Tensor, float],
     w_q: torch.Tensor,
@@ -132,8 +115,11 @@ def mla_block_call(
     scale: float,
     panels: list[torch.Tensor | None] | None = None,
 ) -> Callable[[torch.Tensor, Rope, BlockView, BlockView], torch.Tensor | None] | None:
-    """``mla_block``'s weights checked once: the call ``call(x, rope, c_kv, k_rope)`` of a decode step, or None
-    (as ``gqa_block_call``, and head widths not multiples of 16)."""
+    """``gqa_block_call`` for MLA's absorbed route (csrc/decode_block.h): W^Q and W^DKV, RoPE, c_kv = alpha
+    RMSNorm(c) into the cache with k^R, q^C W~^UK, attention over the latent, z W~^UV, W^O, then the residual
+    and SwiGLU half. latent_norm: (kv_norm weight or None, its eps, alpha_kv); absorbed: (W~^UK (h, d_h, d_c),
+    W~^UV (h, d_c, d_h)); panels: of its 5 products (W^Q, W^DKV, W^O, [W_1; W_2], W_O of the MLP). Returns
+    ``call(x, rope, c_kv, k_rope)``, or None (as ``gqa_block_call``, and head widths not multiples of 16)."""
     (w_up, w_down), (w_uk, w_uv), (kv_norm, kv_eps, alpha) = mlp, absorbed, latent_norm
     weights = (w_q, w_kv_a, w_uk, w_uv, w_o, *w_up, w_down)
     tensors = (*weights, norms[0], norms[1], *(() if kv_norm is None else (kv_norm,)))
@@ -167,27 +153,3 @@ def mla_block_call(
         )  # fmt: skip
 
     return call
-
-
-def mla_block(
-    x: torch.Tensor,
-    norms: tuple[torch.Tensor, torch.Tensor, float],
-    w_q: torch.Tensor,
-    w_kv_a: torch.Tensor,
-    latent_norm: tuple[torch.Tensor | None, float, float],
-    absorbed: tuple[torch.Tensor, torch.Tensor],
-    w_o: torch.Tensor,
-    mlp: tuple[list[torch.Tensor], torch.Tensor],
-    rope: Rope,
-    c_kv: BlockView,
-    k_rope: BlockView,
-    scale: float,
-    panels: list[torch.Tensor | None] | None = None,
-) -> torch.Tensor | None:
-    """``gqa_block`` for MLA's absorbed route (csrc/decode_block.h): W^Q and W^DKV, RoPE, c_kv = alpha
-    RMSNorm(c) into the cache with k^R, q^C W~^UK, attention over the latent, z W~^UV, W^O, then the residual
-    and SwiGLU half. latent_norm: (kv_norm weight or None, its eps, alpha_kv); absorbed: (W~^UK (h, d_h, d_c),
-    W~^UV (h, d_c, d_h)); panels: of its 5 products (W^Q, W^DKV, W^O, [W_1; W_2], W_O of the MLP), as
-    ``gqa_block``'s. None where it does not apply (as ``gqa_block``, and head widths not multiples of 16)."""
-    call = mla_block_call(norms, w_q, w_kv_a, latent_norm, absorbed, w_o, mlp, scale, panels)
-    return None if call is None else call(x, rope, c_kv, k_rope)

@@ -9,7 +9,7 @@
 //   y = x1 + (SiLU(h2 W_1^T) * (h2 W_2^T)) W_O^T
 //
 // (kvlm.model.Block.forward, kvlm.attention.mha.MultiHeadAttention.forward and kvlm.model.SwiGLU.forward
-// compute the same; kvlm.kernels.gqa_block checks what this takes). Included by decode.cpp inside its
+// compute the same; kvlm.kernels.gqa_block_call checks what this takes). Included by decode.cpp inside its
 // anonymous namespace, after decode_attention and rms_norm.
 
 // The new token's K or V rows, (B, G, D) at row stride `rs` of `src`, into the pool (N, G, P, D) at slot
