@@ -47,6 +47,28 @@ def _decode(model, tokens, prompt_len, mode="auto"):
     return torch.cat(out, 1), kernels.CALLS["gqa_block"] + kernels.CALLS["mla_block"]
 
 
+@pytest.mark.parametrize("attention,extra", [("gqa", dict(n_kv_head=2)), ("mla", MLA)])
+def test_swiglu_half_over_wide_activations_and_a_ragged_width(monkeypatch, attention, extra):
+    """The block's SiLU (vectorised, csrc/decode_block.h silu_gate) over gate pre-activations of both signs far
+    from 0 (W_1 scaled up: |a| up to hundreds, where exp(-a) overflows a float) and an MLP width of 16 k + 8
+    (the masked tail): as the modules' F.silu."""
+    torch.manual_seed(0)
+    cfg = tiny_config(attention, d_model=128, n_head=4, ffn_dim=200, vocab_size=101, **extra)
+    model = build_model(cfg).eval()
+    with torch.no_grad():
+        for block in model.layers:
+            block.mlp.w1.weight.mul_(60.0)
+    model.prepare_for_inference()
+    tokens = torch.randint(0, 101, (3, 10), generator=torch.Generator().manual_seed(2))
+    mode = "absorbed" if attention == "mla" else "auto"
+    got, fused = _decode(model, tokens, 6, mode)
+    assert fused == 4 * cfg.n_layer
+    _unfused(monkeypatch)
+    want, fused = _decode(model, tokens, 6, mode)
+    assert fused == 0
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
 @pytest.mark.parametrize(
     "attention,extra",
     [

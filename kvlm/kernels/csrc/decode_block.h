@@ -67,6 +67,22 @@ inline std::pair<at::Tensor, at::Tensor> check_block_call(const char* what, int6
   return {table, en};
 }
 
+// u = SiLU(a) * g over n floats, 16 at a time: SiLU(a) = a sigmoid(a), the sigmoid from e = exp(-|a|) (never
+// overflows): 1 / (1 + e) for a >= 0, e / (1 + e) below. A scalar std::exp a element took ~58 us a layer at 8
+// rows of the reference shape's 2048 (one core), ~0.35 ms of an 11 ms step at one cached token.
+inline void silu_gate(const float* a, const float* g, float* u, int64_t n) {
+  int64_t i = 0;
+  for (; i < n; i += 16) {
+    const __mmask16 m = n - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (n - i)) - 1);
+    const __m512 av = _mm512_maskz_loadu_ps(m, a + i), gv = _mm512_maskz_loadu_ps(m, g + i);
+    const __m512 e = avx512::exp_nonpos(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(av)));
+    const __m512 num = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(av, _mm512_setzero_ps(), _CMP_GE_OQ), e,
+                                            _mm512_set1_ps(1.0f));
+    const __m512 sig = _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+    _mm512_mask_storeu_ps(u + i, m, _mm512_mul_ps(_mm512_mul_ps(av, sig), gv));
+  }
+}
+
 // x1 + (SiLU(h W_1^T) * (h W_2^T)) W_O^T with h = RMSNorm(x1): the SwiGLU half of a block (kvlm.model.SwiGLU)
 inline at::Tensor swiglu_residual(const at::Tensor& x1, const at::Tensor& mlp_norm, double eps,
                                   const std::vector<at::Tensor>& w_up, const at::Tensor& w_down,
@@ -78,11 +94,7 @@ inline at::Tensor swiglu_residual(const at::Tensor& x1, const at::Tensor& mlp_no
   auto u = at::empty({B, 1, F}, x1.options());
   const float* upp = up.data_ptr<float>();
   float* uptr = u.data_ptr<float>();
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t i = 0; i < F; ++i) {
-      const float a = upp[b * 2 * F + i];
-      uptr[b * F + i] = a / (1.0f + std::exp(-a)) * upp[b * 2 * F + F + i];
-    }
+  for (int64_t b = 0; b < B; ++b) silu_gate(upp + b * 2 * F, upp + b * 2 * F + F, uptr + b * F, F);
   auto y = product(u, {w_down}, down_panels);
   float* yp = y.data_ptr<float>();
   const float* x1p = x1.data_ptr<float>();
