@@ -7,7 +7,7 @@ bandwidth probe (kvlm.bench.hardware.Probe) each round.
     OMP_NUM_THREADS=2 python benchmarks/step_glue.py --quick    # a toy shape: checks the script
 
 Per variant (MHA, GQA-3, absorbed MLA) and batch (1, 8; weights packed as ``generate`` packs them), medians over
-rounds: ``step`` ms (as ``generate`` runs it: the decoder block in one kernel call where it can); ``products`` ms, the recorded calls alone, and the GB/s of weights they read; ``probe`` GB/s
+rounds: ``step`` ms (as ``generate`` runs it: the decoder blocks in one kernel call where they can); ``products`` ms, the recorded calls alone, and the GB/s of weights they read; ``probe`` GB/s
 and the weights' floor (weight bytes / probe); ``rest`` = step - products: norms, RoPE, the cache write, attention
 over one key, MLA's absorption products, the torch operators and Python between them. Prints a markdown table.
 """
@@ -31,7 +31,7 @@ PRODUCTS = ("few_rows_linear", "panel_linear")  # the extension's weight product
 def recorded_products(step) -> tuple[list, int]:
     """The extension's weight-product calls of one ``step()`` as (function, args), and the weight bytes they read
     (every tensor argument but the rows of x and the biases: the first argument is x). The step is recorded with
-    the decoder block run module by module (``Block.one_call`` declining): the block's one kernel call does the same
+    the decoder blocks run module by module (``Block.kept_plan`` declining): the blocks' kernel call does the same
     products inside C++, where they cannot be recorded apart."""
     ext = cpu.extension()
     names = [n for n in PRODUCTS if ext is not None and hasattr(ext, n)]
@@ -47,12 +47,12 @@ def recorded_products(step) -> tuple[list, int]:
 
     for n in names:
         setattr(ext, n, recording(saved[n]))
-    one_call = Block.one_call
-    Block.one_call = lambda self, x, step, cache: None
+    kept_plan = Block.kept_plan
+    Block.kept_plan = lambda self: None
     try:
         step()
     finally:
-        Block.one_call = one_call
+        Block.kept_plan = kept_plan
         for n in names:
             setattr(ext, n, saved[n])
 

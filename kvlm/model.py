@@ -15,7 +15,6 @@ step whether they are stale. Call it again after changing the weights.
 from __future__ import annotations
 
 import math
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -24,9 +23,10 @@ from torch import nn
 from kvlm.attention import Attention, GateEmbedding, Step, get_attention_class
 from kvlm.attention.base import GroupPacking, Linear, hooked
 from kvlm.attention.norm import RMSNorm
-from kvlm.attention.watch import Bound, Watched
+from kvlm.attention.watch import Watched
 from kvlm.cache import CacheError, KVCache
 from kvlm.config import ModelConfig
+from kvlm.decode_plans import decode_stack, decoding, kept_plan
 from kvlm.hugepages import move_to_huge_pages_
 
 
@@ -84,11 +84,6 @@ class GeluMLP(nn.Module):
         return self.dropout(self.wo(F.gelu(self.w1(x), approximate="tanh")))
 
 
-# each Block's one-call plan and what it was built from (Block.one_call), off the module so that copies and
-# state dicts never carry it
-_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 class Block(Watched, nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
@@ -107,16 +102,15 @@ class Block(Watched, nn.Module):
 
     def one_call(self, x: torch.Tensor, step: Step, cache) -> torch.Tensor | None:
         """The block as one kernel call at decode (``Attention.decode_block_plan``: one new token a sequence,
-        inference), or None where it does not apply (the modules then run one by one). The plan is built once
-        and kept while nothing it was built from changes (``Bound``): gathering and checking the block's weights
-        every step cost ~50 us a layer warm and 2-4x that after each weight stream (benchmarks/decode-limit.md)."""
-        if self.training or step.n_new != 1 or torch.is_grad_enabled() or torch.compiler.is_compiling():
+        inference), or None where it does not apply (the modules then run one by one)."""
+        if step.n_new != 1 or not decoding(self):
             return None
-        kept = _PLANS.get(self)
-        if kept is None or not kept[0].holds():
-            plan = self.one_call_plan()
-            kept = _PLANS[self] = (Bound(list(self.modules())), plan)
-        return None if kept[1] is None else kept[1](x, step, cache)
+        plan = self.kept_plan()
+        return None if plan is None else plan(x, step, cache)
+
+    def kept_plan(self):
+        """``one_call_plan``, built once and kept while nothing it was built from changes (kvlm.decode_plans)."""
+        return kept_plan(self)
 
     def one_call_plan(self):
         """``Attention.decode_block_plan`` for this block's weights, or None (not of that form, or a module of the
@@ -280,8 +274,12 @@ class KVLM(nn.Module):
         if self.pos_embed is not None:
             x = x + self.pos_embed(step.positions)
         x = self.drop(x)
-        for i, layer in enumerate(self.layers):
-            x = layer(x, step, cache.layers[i] if cache is not None else None)
+        y = self.decode_stack(x, step, cache) if cache is not None else None
+        if y is not None:
+            x = y
+        else:
+            for i, layer in enumerate(self.layers):
+                x = layer(x, step, cache.layers[i] if cache is not None else None)
         if cache is not None:
             cache.commit(step)
         if last_only:
@@ -320,12 +318,25 @@ class KVLM(nn.Module):
         if self.pos_embed is not None:
             x = x + self.pos_embed(torch.cat([step.positions.reshape(-1) for step, _ in parts]))
         x = self.drop(x)
-        for i, layer in enumerate(self.layers):
-            x = layer.forward_parts(x, parts, i)
+        y = None
+        if len(parts) == 1:  # one call (the engine's decode-only step): the blocks in one call, as ``forward``
+            step, view = parts[0]
+            view.activate()
+            y = self.decode_stack(x.view(x.shape[0], 1, -1), step, view)
+        if y is not None:
+            x = y.view(x.shape)
+        else:
+            for i, layer in enumerate(self.layers):
+                x = layer.forward_parts(x, parts, i)
         for step, view in parts:
             view.commit(step)
         x = x[torch.as_tensor(logits_rows, dtype=torch.long, device=x.device)]
         return self.lm_head(self.norm(x))
+
+    def decode_stack(self, x: torch.Tensor, step: Step, cache) -> torch.Tensor | None:
+        """Every block of a decode step (one new token a sequence) in one kernel call over the blocks' kept plans,
+        or None where it does not apply (each block then runs on its own): kvlm.decode_plans.decode_stack."""
+        return decode_stack(self, x, step, cache)
 
     # --- cache --------------------------------------------------------------------------------
     def cache_specs(self, naive: bool = False) -> list[dict[str, tuple[int, ...]]]:

@@ -285,7 +285,7 @@ def _decode(model, B, n_new=1):
     linear_calls = []
     forward = Linear.forward
     with pytest.MonkeyPatch.context() as mp, torch.inference_mode():
-        mp.setattr(Block, "one_call", lambda self, x, step, cache: None)
+        mp.setattr(Block, "kept_plan", lambda self: None)
         mp.setattr(Linear, "forward", lambda self, x: linear_calls.append(1) or forward(self, x))
         model(prompt, cache=cache)
         before, linear_calls[:] = LINEAR_CALLS["few_rows"], []
@@ -338,7 +338,7 @@ def test_the_compiled_step_runs_the_same_products_through_it(batch, layout, monk
     rows: as no packed copy serves them), or the panels first where the weights are packed in them: as many calls
     as the eager step module by module (the compiled step runs the modules; eagerly a block may be one call,
     tests/test_decode_block.py), the same logits."""
-    monkeypatch.setattr(Block, "one_call", lambda self, x, step, cache: None)
+    monkeypatch.setattr(Block, "kept_plan", lambda self: None)
     torch.manual_seed(0)
     model = build_model(tiny_config("mla", kv_lora_rank=48, rope_head_dim=8, max_seq_len=32)).eval()
     counter = "few_rows" if layout is None else "panels"

@@ -22,7 +22,6 @@ mechanism's file tests its name and nothing probes for attributes:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -49,6 +48,35 @@ class GateEmbedding(nn.Embedding):
     Eq. 3): a decode step gathers a few rows of it instead of streaming it, and eg-mla.md reports it apart
     from the activated parameters. The type is the declaration: ``KVLM.parameter_counts`` and the benchmarks
     recognise these tables by ``isinstance``, which ``copy.deepcopy`` and sharding keep."""
+
+
+class BlockPlan:
+    """A decoder block's one-call plan (``Attention.decode_block_plan``): ``call`` its kernel call with the
+    weights checked (``kvlm.kernels.gqa_block_call`` / ``mla_block_call``), ``names`` the two cache tensors it
+    reads (K and V, or c_kv and k_rope), ``tables(step, dtype)`` the RoPE tables it takes, ``route`` its attention route (the step's ``route`` when it is another
+    the plan does not apply), ``label`` what the step's trace records. ``plan(x, step, cache)`` runs the block;
+    ``inputs`` gives what its kernel reads of a step, which a model's stack of blocks (``kvlm.kernels.block_stack``)
+    gathers for all its layers."""
+
+    def __init__(self, attn: Attention, call, names: tuple[str, str], tables, label: str, route: str | None = None):
+        self.attn, self.call, self.names, self.tables, self.label, self.route = attn, call, names, tables, label, route
+
+    def inputs(self, x: torch.Tensor, step: Step, cache: CacheLayer) -> tuple | None:
+        """(RoPE tables, view of names[0], view of names[1]) of this step, or None where its route is another."""
+        if self.route is not None and self.attn.route(step, cache) != self.route:
+            return None
+        a, b = self.names
+        return self.tables(step, x.dtype), cache.block_view(a, step), cache.block_view(b, step)
+
+    def ran(self, step: Step) -> None:
+        self.attn.record_route(step, self.label)
+
+    def __call__(self, x: torch.Tensor, step: Step, cache: CacheLayer) -> torch.Tensor | None:
+        inputs = self.inputs(x, step, cache)
+        y = None if inputs is None else self.call(x, *inputs)
+        if y is not None:
+            self.ran(step)
+        return y
 
 
 class Attention(Watched, nn.Module):
@@ -189,10 +217,10 @@ class Attention(Watched, nn.Module):
     def forward(self, x: torch.Tensor, step: Step, cache: CacheLayer | None = None) -> torch.Tensor:
         raise NotImplementedError
 
-    def decode_block_plan(self, block_weights: tuple) -> Callable[[torch.Tensor, Step, CacheLayer], torch.Tensor | None] | None:
-        """The whole pre-norm decoder block (this attention, then a SwiGLU MLP) in one kernel call at decode: the
-        call ``plan(x, step, cache)`` of a step with one new token a sequence (None where that step does not
-        apply, e.g. a route or a cache the kernel does not take), or None (the default: the block runs its
+    def decode_block_plan(self, block_weights: tuple) -> BlockPlan | None:
+        """The whole pre-norm decoder block (this attention, then a SwiGLU MLP) in one kernel call at decode: a
+        ``BlockPlan``, whose ``plan(x, step, cache)`` is a step with one new token a sequence (None where that step
+        does not apply, e.g. a route or a cache the kernel does not take), or None (the default: the block runs its
         modules one by one). block_weights: (attention norm weight, MLP norm weight, eps, [W_1, W_2], W_O of the
         MLP, the panels of its two products or None), from ``kvlm.model.Block``, which keeps the plan while
         nothing it was built from changes (``kvlm.attention.watch.Bound``: weights, attributes, hooks) and

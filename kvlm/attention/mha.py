@@ -11,7 +11,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvlm import kernels
-from kvlm.attention.base import Attention, GroupPacking, Linear, Step, attend, require, softmax_scale
+from kvlm.attention.base import (
+    Attention,
+    BlockPlan,
+    GroupPacking,
+    Linear,
+    Step,
+    attend,
+    require,
+    softmax_scale,
+)
 from kvlm.attention.registry import register
 from kvlm.attention.rope import RotaryEmbedding, apply_rope
 
@@ -98,15 +107,7 @@ class MultiHeadAttention(Attention, GroupPacking):
         )  # fmt: skip
         if call is None:
             return None
-        rope = self.rope
-
-        def plan(x: torch.Tensor, step: Step, cache: CacheLayer) -> torch.Tensor | None:
-            y = call(x, step.cos_sin(rope, x.dtype), cache.block_view("k", step), cache.block_view("v", step))
-            if y is not None:
-                self.record_route(step, "plain")
-            return y
-
-        return plan
+        return BlockPlan(self, call, ("k", "v"), lambda step, dtype: step.cos_sin(self.rope, dtype), "plain")
 
     def attend_kernel(self, q, k, v, step: Step, cache: CacheLayer) -> torch.Tensor:
         """Decode through the fused kernel over the cache in place (kvlm.kernels.gqa_decode); ``attend`` over

@@ -59,7 +59,7 @@ import torch.nn.functional as F
 
 from kvlm import kernels
 from kvlm.attention import register
-from kvlm.attention.base import Step, require
+from kvlm.attention.base import BlockPlan, Step, require
 from kvlm.attention.latent import LatentAttention, check_latent_config
 from kvlm.attention.latent_ops import head_matmul, latent_attention
 from kvlm.attention.rope import apply_rope
@@ -262,17 +262,7 @@ class MLA(LatentAttention):
         )  # fmt: skip
         if call is None:
             return None
-        label = self.route_label("absorbed")
-
-        def plan(x: torch.Tensor, step: Step, cache) -> torch.Tensor | None:
-            if self.route(step, cache) != "absorbed":
-                return None
-            y = call(x, self.cos_sin(step, x.dtype), cache.block_view("c_kv", step), cache.block_view("k_rope", step))
-            if y is not None:
-                self.record_route(step, label)
-            return y
-
-        return plan
+        return BlockPlan(self, call, ("c_kv", "k_rope"), self.cos_sin, self.route_label("absorbed"), "absorbed")
 
     def forward_absorbed(self, x: torch.Tensor, step: Step, cache, cs) -> torch.Tensor:
         """Write the new latents, then attend in latent space (mlra.md Sec. 2.1 Steps 1-3)."""

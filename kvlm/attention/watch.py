@@ -71,21 +71,29 @@ def hooked(*modules: nn.Module) -> bool:
 
 class Bound:
     """The state of ``modules`` when a plan was built from them; ``holds()`` while nothing it relies on has
-    changed (see the module docstring). Holds its parameters, so their identities stay unique."""
+    changed (see the module docstring). Holds their parameters (so that their identities stay unique) and their
+    parameter and hook dictionaries, not the modules: a plan kept beside a module in a weak dictionary
+    (``kvlm.model``) must not keep that module alive."""
 
     def __init__(self, modules: list[nn.Module]):
         self.epoch = _epoch
-        self.modules = tuple(modules)
-        self.hooked = hooked(*self.modules)  # a plan built under hooks (none) is stale once they are gone
+        self.hooks = tuple((m._forward_hooks, m._forward_pre_hooks) for m in modules)
+        self.hooked = self._hooked()  # a plan built under hooks (none) is stale once they are gone
         self.params = tuple(
             (m._parameters, name, p, -1 if p is None else version(p), None if p is None else p.data_ptr())
-            for m in self.modules
+            for m in modules
             for name, p in m._parameters.items()
         )
-        self.counts = tuple((m._parameters, len(m._parameters)) for m in self.modules)  # one added directly
+        self.counts = tuple((m._parameters, len(m._parameters)) for m in modules)  # one added directly
+
+    def _hooked(self) -> bool:
+        """``hooked`` of the modules, from their hook dictionaries."""
+        if _nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks:
+            return True
+        return any(post or pre for post, pre in self.hooks)
 
     def holds(self) -> bool:
-        if _epoch != self.epoch or hooked(*self.modules) != self.hooked:
+        if _epoch != self.epoch or self._hooked() != self.hooked:
             return False
         for params, n in self.counts:
             if len(params) != n:

@@ -119,6 +119,10 @@ def few_rows_head_matmul(*args, **kwargs):
     return None
 
 
+def block_stack(*args, **kwargs):
+    return None
+
+
 def pack_panels(*args, **kwargs):
     raise RuntimeError("kvlm's kernels are not bundled in an exported folder")
 
@@ -138,7 +142,7 @@ def packed_linear(x, weights, biases):
 kernels = SimpleNamespace(
     CALLS=CALLS, FLOPS=FLOPS, MAX_NEW=MAX_NEW, KernelUnavailable=KernelUnavailable, ready=ready,
     latent_decode=latent_decode, gqa_decode=gqa_decode, rms_norm=rms_norm, gqa_block_call=gqa_block_call,
-    mla_block_call=mla_block_call,
+    mla_block_call=mla_block_call, block_stack=block_stack,
 )
 '''
 FALLBACKS = {"kvlm.kernels": ("kvlm_kernels_fallback", _KERNELS_FALLBACK)}

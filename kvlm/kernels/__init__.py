@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvlm.kernels import cpu
-from kvlm.kernels.block import gqa_block_call, mla_block_call  # noqa: F401 (re-exported)
+from kvlm.kernels.block import block_stack, gqa_block_call, mla_block_call  # noqa: F401 (re-exported)
 from kvlm.kernels.shared import (  # noqa: F401 (re-exported)
     CALLS,
     FLOPS,
@@ -335,6 +335,7 @@ __all__ = [
     "ready",
     "gqa_block_call",
     "mla_block_call",
+    "block_stack",
     "gqa_decode",
     "latent_block_decode",
     "latent_decode",

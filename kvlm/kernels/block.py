@@ -3,15 +3,17 @@ the few-row weight products, RoPE, the new token's cache write, attention over t
 SwiGLU, for up to ``FEW_ROWS`` sequences in float32 on an AVX-512 CPU.
 
 ``gqa_block_call`` / ``mla_block_call`` check the block's weights once and return the call a decode step makes
-(``call(x, rope, views...)``), which checks only what changes from step to step (the input, the RoPE tables, the
-cache's views, autograd, torch.compile, kernels switched off); a caller that keeps the call must drop it when the
-weights change (``kvlm.model.Block.one_call`` does, through ``kvlm.attention.watch.Bound``). Both parts return
-None where they do not apply; the caller then runs the block's operators one by one, which compute the same. The extension
-checks every tensor again (``check_block_call``) before it writes anything."""
+(``call(x, rope, views...)``, a ``BlockCall``), which checks only what changes from step to step (the input, the
+RoPE tables, the cache's views, autograd, torch.compile, kernels switched off); a caller that keeps the call must
+drop it when the weights change (``kvlm.model.Block.kept_plan`` does, through ``kvlm.attention.watch.Bound``).
+``block_stack`` takes the calls of all of a model's blocks and runs them in one call of the extension
+(csrc/decode_stack.h). Each part returns None where it does not apply; the caller then runs the blocks one by
+one, or their operators one by one, which compute the same. The extension checks every tensor again
+(``check_block_call``) before it writes anything."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -52,6 +54,90 @@ def _count_products(panels: list) -> None:
         LINEAR_CALLS["panels" if p is not None else "few_rows"] += 1
 
 
+class BlockCall:
+    """One decoder block's kernel call with its weights checked (``gqa_block_call``, ``mla_block_call``):
+    ``call(x, rope, a, b)`` for a step's input, RoPE tables and the layer's two cache views, or None where the
+    step does not apply. ``weights``: the extension's arguments before the RoPE tables (x excluded); ``after``:
+    those between the page table's ends and the split count; ``panels`` last."""
+
+    kind = ""  # "gqa" or "mla": the extension's {kind}_block and BlockStack.add_{kind}
+
+    def __init__(self, weights: tuple, after: tuple, panels: list, weight_elements: int):
+        self.weights, self.after, self.panels, self.weight_elements = weights, after, panels, weight_elements
+
+    def check(self, x: torch.Tensor, rope: Rope, a: BlockView, b: BlockView) -> int | None:
+        """The split count of the key axis for this step, or None where it does not apply."""
+        raise NotImplementedError
+
+    def count(self, x: torch.Tensor, a: BlockView) -> None:
+        """The call in the kernel counters (calls, products, FLOPs)."""
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor, rope: Rope, a: BlockView, b: BlockView) -> torch.Tensor | None:
+        n_split = self.check(x, rope, a, b)
+        if n_split is None:
+            return None
+        self.count(x, a)
+        return getattr(cpu.extension(), f"{self.kind}_block")(
+            x, *self.weights, *rope, a.pool, b.pool, a.block_table, a.start, a.end, *self.after, n_split, self.panels
+        )
+
+
+class _GqaCall(BlockCall):
+    kind = "gqa"
+
+    def __init__(self, weights: tuple, after: tuple, panels: list, weight_elements: int):
+        super().__init__(weights, after, panels, weight_elements)
+        self.n_head = after[0]
+
+    def check(self, x, rope, k, v):
+        if _extension_for("gqa_block", x, rope) is None or k.scale is not None or v.scale is not None:
+            return None
+        if k.pool.dtype is not torch.float32 or v.pool.dtype is not torch.float32:
+            return None
+        if _check_pool(x, k, "k") or _check_pool(x, v, "v") or k.pool.dim() != 4 or k.pool.shape != v.pool.shape:
+            return None
+        B, D = x.shape[0], k.pool.shape[-1]
+        if not _same_pages(k, v) or rope[0].numel() != B * D or D > 512:  # RoPE's buffer
+            return None
+        return _splits(B * k.pool.shape[1], k)
+
+    def count(self, x, k):
+        CALLS["gqa_block"] += 1  # one call, its attention gqa_decode's kernel
+        _count_products(self.panels)
+        count_flops("attention", 2 * self.n_head * 2 * k.pool.shape[-1] * _keys(k))
+        count_flops("linear", 2 * x.shape[0] * self.weight_elements)
+
+
+class _MlaCall(BlockCall):
+    kind = "mla"
+
+    def __init__(self, weights: tuple, after: tuple, panels: list, weight_elements: int):
+        super().__init__(weights, after, panels, weight_elements)
+        w_uk = weights[8]
+        self.n_head, self.d_c = w_uk.shape[0], w_uk.shape[2]
+        # W^Q and W^DKV run as one product on the plain weights
+        self.counted = panels[1:] if panels[0] is None and panels[1] is None else panels
+
+    def check(self, x, rope, c_kv, k_rope):
+        if _extension_for("mla_block", x, rope) is None or k_rope.pool.shape[-1] > 512:  # RoPE's buffer
+            return None
+        for view in (c_kv, k_rope):
+            if view.scale is not None or view.pool.dtype is not torch.float32 or view.pool.dim() != 3:
+                return None
+        if _check_pool(x, c_kv, "c_kv") or _check_rope(x, k_rope, c_kv, "c_kv"):
+            return None
+        return _splits(x.shape[0], c_kv)
+
+    def count(self, x, c_kv):
+        CALLS["mla_block"] += 1  # one call, its attention latent_decode's kernel
+        _count_products(self.counted)
+        LINEAR_CALLS["head_products"] += 2
+        d_r = self.weights[4].shape[0] - self.d_c  # W^DKV's rows: d_c + d_R
+        count_flops("attention", 2 * self.n_head * (2 * self.d_c + d_r) * _keys(c_kv))
+        count_flops("linear", 2 * x.shape[0] * self.weight_elements)
+
+
 def gqa_block_call(
     norms: tuple[torch.Tensor, torch.Tensor, float],
     w_qkv: list[torch.Tensor],
@@ -60,7 +146,7 @@ def gqa_block_call(
     n_head: int,
     scale: float,
     panels: list[torch.Tensor | None] | None = None,
-) -> Callable[[torch.Tensor, Rope, BlockView, BlockView], torch.Tensor | None] | None:
+) -> BlockCall | None:
     """One pre-norm MHA / GQA / MQA decoder block with a SwiGLU MLP at one new token a sequence, in one call of
     the extension (csrc/decode_block.h): x (B, 1, d) -> x1 + MLP(RMSNorm(x1)), x1 = x + attention(RMSNorm(x)),
     the new token's K and V written into the pools at its slot first (where the attention kernel reads it).
@@ -79,29 +165,10 @@ def gqa_block_call(
     if not _has("gqa_block") or not all(few_rows._plain(t) for t in (*weights, norms[0], norms[1])):
         return None
     panels = list(panels) if panels is not None else [None] * 4
-    weight_elements = sum(w.numel() for w in weights)
-
-    def call(x: torch.Tensor, rope: Rope, k: BlockView, v: BlockView) -> torch.Tensor | None:
-        ext = _extension_for("gqa_block", x, rope)
-        if ext is None or k.scale is not None or v.scale is not None:
-            return None
-        if k.pool.dtype is not torch.float32 or v.pool.dtype is not torch.float32:
-            return None
-        if _check_pool(x, k, "k") or _check_pool(x, v, "v") or k.pool.dim() != 4 or k.pool.shape != v.pool.shape:
-            return None
-        B, D = x.shape[0], k.pool.shape[-1]
-        if not _same_pages(k, v) or rope[0].numel() != B * D or D > 512:  # RoPE's buffer
-            return None
-        CALLS["gqa_block"] += 1  # one call, its attention gqa_decode's kernel
-        _count_products(panels)
-        count_flops("attention", 2 * n_head * 2 * D * _keys(k))
-        count_flops("linear", 2 * B * weight_elements)
-        return ext.gqa_block(
-            x, norms[0], norms[1], norms[2], w_qkv, w_o, w_up, w_down, *rope, k.pool, v.pool, k.block_table,
-            k.start, k.end, n_head, scale, _splits(B * k.pool.shape[1], k), panels,
-        )  # fmt: skip
-
-    return call
+    return _GqaCall(
+        (norms[0], norms[1], norms[2], list(w_qkv), w_o, list(w_up), w_down), (n_head, scale), panels,
+        sum(w.numel() for w in weights),
+    )  # fmt: skip
 
 
 def mla_block_call(
@@ -114,7 +181,7 @@ def mla_block_call(
     mlp: tuple[list[torch.Tensor], torch.Tensor],
     scale: float,
     panels: list[torch.Tensor | None] | None = None,
-) -> Callable[[torch.Tensor, Rope, BlockView, BlockView], torch.Tensor | None] | None:
+) -> BlockCall | None:
     """``gqa_block_call`` for MLA's absorbed route (csrc/decode_block.h): W^Q and W^DKV, RoPE, c_kv = alpha
     RMSNorm(c) into the cache with k^R, q^C W~^UK, attention over the latent, z W~^UV, W^O, then the residual
     and SwiGLU half. latent_norm: (kv_norm weight or None, its eps, alpha_kv); absorbed: (W~^UK (h, d_h, d_c),
@@ -128,28 +195,63 @@ def mla_block_call(
     if w_uk.shape[1] % 16 or w_uk.shape[2] % 16:  # the head products' widths
         return None
     panels = list(panels) if panels is not None else [None] * 5
-    counted = panels[1:] if panels[0] is None and panels[1] is None else panels  # W^Q, W^DKV: one call
-    H, Dc = w_uk.shape[0], w_uk.shape[2]
-    weight_elements = sum(w.numel() for w in weights)
+    return _MlaCall(
+        (norms[0], norms[1], norms[2], w_q, w_kv_a, kv_norm, kv_eps, alpha, w_uk, w_uv, w_o, list(w_up), w_down),
+        (scale,), panels, sum(w.numel() for w in weights),
+    )  # fmt: skip
 
-    def call(x: torch.Tensor, rope: Rope, c_kv: BlockView, k_rope: BlockView) -> torch.Tensor | None:
-        ext = _extension_for("mla_block", x, rope)
-        if ext is None or k_rope.pool.shape[-1] > 512:  # RoPE's buffer
+
+def _same_table(view: BlockView, first: BlockView) -> bool:
+    """Whether ``view`` reads the page table, starts and ends of ``first`` (one model cache's layers share them,
+    ``StepSlots``), unquantized, at its page size."""
+    return (
+        view.block_table is first.block_table and view.start is first.start and view.end is first.end
+        and view.scale is None and view.page_size == first.page_size
+    )  # fmt: skip
+
+
+def _like(view: BlockView, first: BlockView) -> bool:
+    """Whether ``view``'s pool is read as ``first``'s is: of the same dtype, shape, strides and device."""
+    p, q = view.pool, first.pool
+    return p.dtype is q.dtype and p.shape == q.shape and p.stride() == q.stride() and p.device == q.device
+
+
+class StackCall:
+    """A model's blocks in one call of the extension (``block_stack``): ``call(x, inputs)``, inputs the (rope, a,
+    b) of every layer, or None where the step does not apply; then each block runs on its own."""
+
+    def __init__(self, calls: Sequence[BlockCall], stack):
+        self.calls, self.stack = tuple(calls), stack
+        self.pools: tuple = ()  # the last step's pools, each checked as the first layer's (``_like``) then
+
+    def __call__(self, x: torch.Tensor, inputs: Sequence[tuple[Rope, BlockView, BlockView]]) -> torch.Tensor | None:
+        if len(inputs) != len(self.calls):
             return None
-        for view in (c_kv, k_rope):
-            if view.scale is not None or view.pool.dtype is not torch.float32 or view.pool.dim() != 3:
+        rope, a0, b0 = inputs[0]
+        n_split = self.calls[0].check(x, rope, a0, b0)  # the first layer in full, the others as it
+        if n_split is None:
+            return None
+        pools = tuple(v.pool for _, a, b in inputs for v in (a, b))
+        same = len(pools) == len(self.pools) and all(p is q for p, q in zip(pools, self.pools))
+        for r, a, b in inputs[1:]:
+            if r is not rope or not (_same_table(a, a0) and _same_table(b, b0)):
                 return None
-        if _check_pool(x, c_kv, "c_kv") or _check_rope(x, k_rope, c_kv, "c_kv"):
-            return None
-        B = x.shape[0]
-        CALLS["mla_block"] += 1  # one call, its attention latent_decode's kernel
-        _count_products(counted)
-        LINEAR_CALLS["head_products"] += 2
-        count_flops("attention", 2 * H * (2 * Dc + k_rope.pool.shape[-1]) * _keys(c_kv))
-        count_flops("linear", 2 * B * weight_elements)
-        return ext.mla_block(
-            x, norms[0], norms[1], norms[2], w_q, w_kv_a, kv_norm, kv_eps, alpha, w_uk, w_uv, w_o, w_up, w_down,
-            *rope, c_kv.pool, k_rope.pool, c_kv.block_table, c_kv.start, c_kv.end, scale, _splits(B, c_kv), panels,
-        )  # fmt: skip
+            if not same and not (_like(a, a0) and _like(b, b0)):
+                return None
+        self.pools = pools
+        for call, (_, a, _) in zip(self.calls, inputs):
+            call.count(x, a)
+        CALLS["block_stack"] += 1
+        return self.stack.run(x, *rope, pools[0::2], pools[1::2], a0.block_table, a0.start, a0.end, n_split)
 
-    return call
+
+def block_stack(calls: Sequence[BlockCall]) -> StackCall | None:
+    """The blocks of ``calls`` (one per layer, in order, each of ``gqa_block_call`` / ``mla_block_call``) in one
+    call of the extension (csrc/decode_stack.h), their weights held there; None without the extension's stack
+    or without calls."""
+    if not calls or not _has("BlockStack"):
+        return None
+    stack = cpu.extension().BlockStack()
+    for call in calls:
+        getattr(stack, f"add_{call.kind}")(*call.weights, *call.after, call.panels)
+    return StackCall(calls, stack)

@@ -264,6 +264,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 #if KVLM_AVX512
 #include "decode_block.h"  // on the few-row kernel's products
+#include "decode_stack.h"  // the blocks of a model in one call
 #endif
 
 }  // namespace
@@ -277,5 +278,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("few_rows_linear", &kvlm_decode::few_rows::linear, "[x W_i^T + b_i] at a few rows of x (AVX-512 CPU)");
   m.def("panel_linear", &kvlm_decode::few_rows::panel_linear, "x W^T + b on W's panels (AVX-512 CPU)");
   m.def("head_products", &kvlm_decode::few_rows::head_products, "x_h W_h per head at a few rows (AVX-512 CPU)");
+  pybind11::class_<BlockStack>(m, "BlockStack", "a model's decoder blocks at decode in one call (AVX-512 CPU)")
+      .def(pybind11::init<>())
+      .def("add_gqa", &BlockStack::add_gqa)
+      .def("add_mla", &BlockStack::add_mla)
+      .def("run", &BlockStack::run)
+      .def("__len__", [](const BlockStack& s) { return s.layers.size(); });
 #endif
 }
