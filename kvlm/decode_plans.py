@@ -51,7 +51,7 @@ def decode_stack(model: nn.Module, x: torch.Tensor, step, cache) -> torch.Tensor
             return None
         plans.append(plan)
     kept = _STACKS.get(model)
-    if kept is None or len(kept[0]) != len(plans) or any(a is not b for a, b in zip(kept[0], plans)):
+    if kept is None or kept[0] != tuple(plans):  # plans compare by identity
         kept = _STACKS[model] = (tuple(plans), block_stack([p.call for p in plans]))
     if kept[1] is None:
         return None

@@ -1,8 +1,8 @@
 """A model's decoder blocks in one kernel call at decode (kvlm.model.KVLM.decode_stack, kvlm.kernels.block_stack,
 csrc/decode_stack.h) against each block in one call (the stack off) and against the modules one by one, in
-float32: logits of consecutive decode steps on the contiguous and the paged cache; the stack built once and
-built again when a block's plan is; the cases where it gives way to the blocks; and no decoded model kept alive
-by the plans kept beside it."""
+float32: logits of consecutive decode steps on the contiguous cache (the paged cache, the engine's step:
+tests/test_decode_block.py); the stack built once and built again when a block's plan is; the cases where it
+gives way to the blocks; and no decoded model kept alive by the plans kept beside it."""
 
 from __future__ import annotations
 
@@ -68,23 +68,6 @@ def test_the_stack_equals_the_blocks_and_the_modules(monkeypatch, attention, ext
     modules, calls = _decode(model, tokens, 6)
     assert calls.get("gqa_block", 0) + calls.get("mla_block", 0) == 0
     torch.testing.assert_close(got, modules, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("attention,extra", [("gqa", dict(n_kv_head=2)), ("mla", MLA)])
-def test_the_engines_decode_step_takes_the_stack(attention, extra):
-    """``forward_parts`` with one call of one-token rows (the serving engine's decode-only step, on the paged
-    cache): all layers in one call, the logits of each sequence alone through its own cache."""
-    model = _model(attention, extra)
-    g = torch.Generator().manual_seed(6)
-    cached = [torch.randint(0, 101, (n,), generator=g) for n in (5, 9, 6)]  # >= 4: MLA's auto is absorbed
-    with torch.inference_mode():
-        alone, parts = twin_paged_caches(model, cached)
-        new = torch.randint(0, 101, (3,), generator=g)
-        want = torch.stack([model(new[i].view(1, 1), cache=alone.batch([i]))[0, -1] for i in range(3)])
-        kernels.CALLS.clear()
-        got = model.forward_parts([(new[:, None], parts.batch([0, 1, 2]))], [0, 1, 2])
-    assert kernels.CALLS["block_stack"] == 1
-    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
 
 
 def test_the_stack_is_built_once_and_again_when_a_plan_is(monkeypatch):

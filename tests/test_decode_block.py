@@ -213,7 +213,7 @@ def test_hooks_on_a_module_of_the_block_still_fire():
 @pytest.mark.parametrize("attention,extra", [("gqa", dict(n_kv_head=2)), ("mla", MLA)])
 def test_the_engines_one_call_steps_take_the_block(attention, extra):
     """``forward_parts`` with one call (the serving engine's decode-only step, a ``PagedBatch``; and a
-    ``PackedBatch`` of one-token rows, a prompt chunk's tokens each a row) runs the block in one call, with the
+    ``PackedBatch`` of one-token rows, a prompt chunk's tokens each a row) runs the blocks in one call, with the
     logits of each sequence alone through its own cache."""
     from conftest import twin_paged_caches
 
@@ -230,6 +230,7 @@ def test_the_engines_one_call_steps_take_the_block(attention, extra):
         kernels.CALLS.clear()
         got = model.forward_parts([(new[:, None], parts.batch([0, 1, 2]))], [0, 1, 2])
         assert kernels.CALLS["gqa_block"] + kernels.CALLS["mla_block"] == model.cfg.n_layer
+        assert kernels.CALLS["block_stack"] == 1  # all layers in one call (KVLM.decode_stack)
         torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
         chunk = torch.randint(0, 101, (4,), generator=g)  # four tokens of sequence 0, one row each
         want = model(chunk[None], cache=alone.batch([0]))[0]

@@ -53,10 +53,10 @@ class GateEmbedding(nn.Embedding):
 class BlockPlan:
     """A decoder block's one-call plan (``Attention.decode_block_plan``): ``call`` its kernel call with the
     weights checked (``kvlm.kernels.gqa_block_call`` / ``mla_block_call``), ``names`` the two cache tensors it
-    reads (K and V, or c_kv and k_rope), ``tables(step, dtype)`` the RoPE tables it takes, ``route`` its attention route (the step's ``route`` when it is another
-    the plan does not apply), ``label`` what the step's trace records. ``plan(x, step, cache)`` runs the block;
-    ``inputs`` gives what its kernel reads of a step, which a model's stack of blocks (``kvlm.kernels.block_stack``)
-    gathers for all its layers."""
+    reads (K and V, or c_kv and k_rope), ``tables(step, dtype)`` the RoPE tables it takes, ``route`` its
+    attention route (where the step's ``route`` is another the plan does not apply), ``label`` what the step's
+    trace records. ``plan(x, step, cache)`` runs the block; ``inputs`` gives what its kernel reads of a step,
+    which a model's stack of blocks (``kvlm.kernels.block_stack``) gathers for all its layers."""
 
     def __init__(self, attn: Attention, call, names: tuple[str, str], tables, label: str, route: str | None = None):
         self.attn, self.call, self.names, self.tables, self.label, self.route = attn, call, names, tables, label, route

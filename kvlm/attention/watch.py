@@ -1,4 +1,4 @@
-"""What a plan built once and reused every decode step relies on (``kvlm.model.Block.one_call``: the decoder
+"""What a plan built once and reused every decode step relies on (``kvlm.decode_plans``: the decoder
 block's weights, panels and flags gathered for one kernel call), and a check of it that costs a few
 microseconds a step instead of the ~50 (warm; 2-4x that cold, after each weight stream) of gathering it again.
 
@@ -64,21 +64,27 @@ class Watched:
 def hooked(*modules: nn.Module) -> bool:
     """Whether a forward call of any of ``modules`` would run hooks (their own or torch's global ones): a
     decode path that computes them in one kernel call would skip those, so it declines."""
+    return _any_hooks([(m._forward_hooks, m._forward_pre_hooks) for m in modules])
+
+
+def _any_hooks(hooks) -> bool:
+    """Whether torch has global forward hooks or any of the (forward hooks, forward pre-hooks) dictionaries
+    ``hooks`` holds one."""
     if _nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks:
         return True
-    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+    return any(post or pre for post, pre in hooks)
 
 
 class Bound:
     """The state of ``modules`` when a plan was built from them; ``holds()`` while nothing it relies on has
     changed (see the module docstring). Holds their parameters (so that their identities stay unique) and their
     parameter and hook dictionaries, not the modules: a plan kept beside a module in a weak dictionary
-    (``kvlm.model``) must not keep that module alive."""
+    (``kvlm.decode_plans``) must not keep that module alive."""
 
     def __init__(self, modules: list[nn.Module]):
         self.epoch = _epoch
         self.hooks = tuple((m._forward_hooks, m._forward_pre_hooks) for m in modules)
-        self.hooked = self._hooked()  # a plan built under hooks (none) is stale once they are gone
+        self.hooked = _any_hooks(self.hooks)  # a plan built under hooks (none) is stale once they are gone
         self.params = tuple(
             (m._parameters, name, p, -1 if p is None else version(p), None if p is None else p.data_ptr())
             for m in modules
@@ -86,14 +92,8 @@ class Bound:
         )
         self.counts = tuple((m._parameters, len(m._parameters)) for m in modules)  # one added directly
 
-    def _hooked(self) -> bool:
-        """``hooked`` of the modules, from their hook dictionaries."""
-        if _nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks:
-            return True
-        return any(post or pre for post, pre in self.hooks)
-
     def holds(self) -> bool:
-        if _epoch != self.epoch or self._hooked() != self.hooked:
+        if _epoch != self.epoch or _any_hooks(self.hooks) != self.hooked:
             return False
         for params, n in self.counts:
             if len(params) != n:
