@@ -13,6 +13,7 @@ from torch import nn
 
 from kvlm.attention.watch import Bound
 from kvlm.kernels import block_stack
+from kvlm.kernels.few_rows import few_rows_fit
 
 # each Block's plan and the state it was built from: (Bound, plan or None)
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -23,6 +24,13 @@ _STACKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def decoding(module: nn.Module) -> bool:
     """Whether a decode step of ``module`` may run as kernel calls: inference, no autograd, not traced."""
     return not (module.training or torch.is_grad_enabled() or torch.compiler.is_compiling())
+
+
+def block_rows(module: nn.Module, x: torch.Tensor) -> bool:
+    """Whether a call on x (B, T, d) may run its blocks as kernel calls: ``decoding`` and rows the block kernels'
+    products take first (``few_rows_fit``: float32 on CPU, B T up to ``FEW_ROWS``), T > 1 new tokens a sequence
+    included (speculative verification, a short prompt)."""
+    return x.dim() == 3 and few_rows_fit(x) and decoding(module)
 
 
 def kept_plan(block: nn.Module):
@@ -37,12 +45,12 @@ def kept_plan(block: nn.Module):
 
 
 def decode_stack(model: nn.Module, x: torch.Tensor, step, cache) -> torch.Tensor | None:
-    """Every block of ``model`` at a decode step (one new token a sequence) in one kernel call
-    (kvlm.kernels.block_stack, csrc/decode_stack.h) over the blocks' kept plans, or None where a block has none
+    """Every block of ``model`` at a decode step (x (B, T, d), T new tokens a sequence: ``block_rows``) in one
+    kernel call (kvlm.kernels.block_stack, csrc/decode_stack.h) over the blocks' kept plans, or None where a block has none
     or the step does not apply (each block then runs on its own: ``Block.one_call``, else module by module). The
     stack is built again when any block's plan is (a weight, hook or flag changed). The Python around each
     block's own call cost a step ~60-105 us a layer, cold after each weight stream (benchmarks/decode-limit.md)."""
-    if step.n_new != 1 or not decoding(model):
+    if not block_rows(model, x):
         return None
     plans = []
     for block in model.layers:

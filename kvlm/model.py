@@ -26,7 +26,7 @@ from kvlm.attention.norm import RMSNorm
 from kvlm.attention.watch import Watched
 from kvlm.cache import CacheError, KVCache
 from kvlm.config import ModelConfig
-from kvlm.decode_plans import decode_stack, decoding, kept_plan
+from kvlm.decode_plans import block_rows, decode_stack, kept_plan
 from kvlm.hugepages import move_to_huge_pages_
 
 
@@ -101,9 +101,10 @@ class Block(Watched, nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
     def one_call(self, x: torch.Tensor, step: Step, cache) -> torch.Tensor | None:
-        """The block as one kernel call at decode (``Attention.decode_block_plan``: one new token a sequence,
-        inference), or None where it does not apply (the modules then run one by one)."""
-        if step.n_new != 1 or not decoding(self):
+        """The block as one kernel call at decode (``Attention.decode_block_plan``: a few new tokens a sequence, up
+        to ``FEW_ROWS`` rows, inference: ``block_rows``), or None where it does not apply (the modules then run one
+        by one)."""
+        if not block_rows(self, x):
             return None
         plan = self.kept_plan()
         return None if plan is None else plan(x, step, cache)
@@ -142,7 +143,7 @@ class Block(Watched, nn.Module):
         if len(parts) == 1:  # one call (the engine's decode-only step): the block in one call, as ``forward``
             step, view = parts[0]
             view.activate()
-            y = self.one_call(x.view(x.shape[0], 1, -1), step, view.layers[layer_idx])
+            y = self.one_call(x.view(*step.positions.shape, -1), step, view.layers[layer_idx])
             if y is not None:
                 return y.view(x.shape)
         h = self.attn_norm(x)
@@ -322,7 +323,7 @@ class KVLM(nn.Module):
         if len(parts) == 1:  # one call (the engine's decode-only step): the blocks in one call, as ``forward``
             step, view = parts[0]
             view.activate()
-            y = self.decode_stack(x.view(x.shape[0], 1, -1), step, view)
+            y = self.decode_stack(x.view(*step.positions.shape, -1), step, view)
         if y is not None:
             x = y.view(x.shape)
         else:
@@ -334,7 +335,7 @@ class KVLM(nn.Module):
         return self.lm_head(self.norm(x))
 
     def decode_stack(self, x: torch.Tensor, step: Step, cache) -> torch.Tensor | None:
-        """Every block of a decode step (one new token a sequence) in one kernel call over the blocks' kept plans,
+        """Every block of a decode step (a few new tokens a sequence) in one kernel call over the blocks' kept plans,
         or None where it does not apply (each block then runs on its own): kvlm.decode_plans.decode_stack."""
         return decode_stack(self, x, step, cache)
 

@@ -40,9 +40,9 @@ def _model(attention, extra, panels=True):
 def _decode(model, tokens, prompt_len, mode):
     """Logits of each one-token decode call after a prefill, and how many blocks ran as one call."""
     cache = model.new_cache(tokens.shape[0], 32)
-    kernels.CALLS.clear()
     with torch.inference_mode():
         model(tokens[:, :prompt_len], cache, mode=mode)
+        kernels.CALLS.clear()  # the decode calls' (a prefill of at most FEW_ROWS rows takes the blocks too)
         out = [model(tokens[:, t : t + 1], cache, mode=mode) for t in range(prompt_len, tokens.shape[1])]
     return torch.cat(out, 1), kernels.CALLS["gqa_block"] + kernels.CALLS["mla_block"]
 

@@ -40,9 +40,9 @@ def _decode(model, tokens, prompt_len, trace=None):
     list that takes the decode calls' routes (``Step.trace``)."""
     mode = "absorbed" if model.cfg.attention == "mla" else "auto"
     cache = model.new_cache(tokens.shape[0], 32)
-    kernels.CALLS.clear()
     with torch.inference_mode():
         model(tokens[:, :prompt_len], cache, mode=mode)
+        kernels.CALLS.clear()  # the decode calls' (a prefill of at most FEW_ROWS rows takes the blocks too)
         out = [
             model(tokens[:, t : t + 1], cache, mode=mode, trace=trace) for t in range(prompt_len, tokens.shape[1])
         ]

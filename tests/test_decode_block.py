@@ -40,9 +40,9 @@ def _decode(model, tokens, prompt_len, mode="auto"):
     logits of every decode call (B, n, vocab) and how many blocks ran as one call."""
     B, T = tokens.shape
     cache = model.new_cache(B, 64)
-    kernels.CALLS.clear()
     with torch.inference_mode():
         model(tokens[:, :prompt_len], cache, mode=mode)
+        kernels.CALLS.clear()  # the decode calls' (a prefill of at most FEW_ROWS rows takes the blocks too)
         out = [model(tokens[:, t : t + 1], cache, mode=mode) for t in range(prompt_len, T)]
     return torch.cat(out, 1), kernels.CALLS["gqa_block"] + kernels.CALLS["mla_block"]
 
@@ -105,11 +105,11 @@ def test_block_kernel_on_the_paged_cache_and_across_pages(attention, extra):
     prompts = [torch.randint(0, 101, (n,), generator=g) for n in (4, 9, 2)]
     steps = torch.randint(0, 101, (3, 6), generator=g)
     cache = PagedKVCache.for_model(model, cache_tokens=96, page_size=3)
-    kernels.CALLS.clear()
     with torch.inference_mode():
         for i, p in enumerate(prompts):
             cache.add_sequence(i)
             model(p[None], cache=cache.batch([i]), mode=mode)
+        kernels.CALLS.clear()  # the decode calls' (the 2- and 4-token prefills take the blocks too)
         got = torch.cat(
             [model(steps[:, t : t + 1], cache=cache.batch([0, 1, 2]), mode=mode) for t in range(6)], 1
         )

@@ -219,7 +219,7 @@ class Attention(Watched, nn.Module):
 
     def decode_block_plan(self, block_weights: tuple) -> BlockPlan | None:
         """The whole pre-norm decoder block (this attention, then a SwiGLU MLP) in one kernel call at decode: a
-        ``BlockPlan``, whose ``plan(x, step, cache)`` is a step with one new token a sequence (None where that step
+        ``BlockPlan``, whose ``plan(x, step, cache)`` is a step of a few new tokens a sequence (None where that step
         does not apply, e.g. a route or a cache the kernel does not take), or None (the default: the block runs its
         modules one by one). block_weights: (attention norm weight, MLP norm weight, eps, [W_1, W_2], W_O of the
         MLP, the panels of its two products or None), from ``kvlm.model.Block``, which keeps the plan while

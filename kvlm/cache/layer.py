@@ -51,6 +51,9 @@ class BlockView:
     # the minimum of end - start on the host, where a row may hold fewer slots than the call's new tokens (a
     # paged row left-padded in its call): a kernel reads each row's last T slots as its new tokens, so it declines
     shortest: int | None = None
+    # rows with fewer new tokens than the call's T, left-padded (a paged call's chunks): the padding is never
+    # stored, so a kernel that writes a row's last T slots itself (the block kernels) declines
+    padded: bool = False
 
 
 class CacheLayer(Mapping[str, torch.Tensor]):

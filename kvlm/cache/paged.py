@@ -167,6 +167,7 @@ class PagedLayer(CacheLayer):
             keys=idx.keys,
             longest=idx.longest,
             shortest=idx.shortest,
+            padded=idx.write_rows is not None,
         )
 
     # --- accounting -----------------------------------------------------------------------------

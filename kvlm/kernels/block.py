@@ -1,6 +1,6 @@
-"""The decoder block in one call of the extension at one new token a sequence (csrc/decode_block.h): RMSNorm,
-the few-row weight products, RoPE, the new token's cache write, attention over the cache, the residuals and
-SwiGLU, for up to ``FEW_ROWS`` sequences in float32 on an AVX-512 CPU.
+"""The decoder block in one call of the extension at T new tokens a sequence (csrc/decode_block.h): RMSNorm,
+the few-row weight products, RoPE, the new tokens' cache writes, attention over the cache, the residuals and
+SwiGLU, for up to ``FEW_ROWS`` rows (B T) in float32 on an AVX-512 CPU.
 
 ``gqa_block_call`` / ``mla_block_call`` check the block's weights once and return the call a decode step makes
 (``call(x, rope, views...)``, a ``BlockCall``), which checks only what changes from step to step (the input, the
@@ -34,16 +34,20 @@ def _has(name: str) -> bool:
     return ext is not None and hasattr(ext, name)
 
 
-def _extension_for(name: str, x: torch.Tensor, rope: Rope):
-    """The extension when its block kernel ``name`` takes x (B, 1, d) and the RoPE tables now: a built extension
-    with the kernel, no autograd, not traced, x a contiguous float32 CPU tensor of one new token for up to
-    ``FEW_ROWS`` sequences (its products'), the tables plain contiguous float32 CPU tensors; else None."""
+def _extension_for(name: str, x: torch.Tensor, rope: Rope, a: BlockView):
+    """The extension when its block kernel ``name`` takes x (B, T, d), the RoPE tables and the cache view ``a``
+    now: a built extension with the kernel, no autograd, not traced, x a contiguous float32 CPU tensor of T new
+    tokens for B sequences, B T at most ``FEW_ROWS`` (its products' rows), the tables plain contiguous float32
+    CPU tensors, and each sequence's last T slots its new tokens (not a paged row left-padded to T: the kernel
+    writes them, and that padding is never stored); else None."""
     ext = cpu.extension()
     if ext is None or not hasattr(ext, name) or torch.is_grad_enabled() or torch.compiler.is_compiling():
         return None
-    if type(x) is not torch.Tensor or not few_rows._plain(x) or x.dim() != 3 or x.shape[1] != 1:
+    if type(x) is not torch.Tensor or not few_rows._plain(x) or x.dim() != 3:
         return None
-    if not 0 < x.shape[0] <= few_rows.FEW_ROWS or not (few_rows._plain(rope[0]) and few_rows._plain(rope[1])):
+    if not 0 < x.shape[0] * x.shape[1] <= few_rows.FEW_ROWS or not (few_rows._plain(rope[0]) and few_rows._plain(rope[1])):
+        return None
+    if x.shape[1] > 1 and (a.padded or (a.shortest is not None and a.shortest < x.shape[1])):
         return None
     return ext
 
@@ -91,22 +95,23 @@ class _GqaCall(BlockCall):
         self.n_head = after[0]
 
     def check(self, x, rope, k, v):
-        if _extension_for("gqa_block", x, rope) is None or k.scale is not None or v.scale is not None:
+        if _extension_for("gqa_block", x, rope, k) is None or k.scale is not None or v.scale is not None:
             return None
         if k.pool.dtype is not torch.float32 or v.pool.dtype is not torch.float32:
             return None
         if _check_pool(x, k, "k") or _check_pool(x, v, "v") or k.pool.dim() != 4 or k.pool.shape != v.pool.shape:
             return None
         B, D = x.shape[0], k.pool.shape[-1]
-        if not _same_pages(k, v) or rope[0].numel() != B * D or D > 512:  # RoPE's buffer
+        if not _same_pages(k, v) or rope[0].numel() != B * x.shape[1] * D or D > 512:  # RoPE's buffer
             return None
         return _splits(B * k.pool.shape[1], k)
 
     def count(self, x, k):
         CALLS["gqa_block"] += 1  # one call, its attention gqa_decode's kernel
         _count_products(self.panels)
-        count_flops("attention", 2 * self.n_head * 2 * k.pool.shape[-1] * _keys(k))
-        count_flops("linear", 2 * x.shape[0] * self.weight_elements)
+        T = x.shape[1]  # T queries a sequence over its keys, as kvlm.kernels.gqa_decode counts them
+        count_flops("attention", 2 * self.n_head * T * 2 * k.pool.shape[-1] * _keys(k))
+        count_flops("linear", 2 * x.shape[0] * T * self.weight_elements)
 
 
 class _MlaCall(BlockCall):
@@ -120,7 +125,7 @@ class _MlaCall(BlockCall):
         self.counted = panels[1:] if panels[0] is None and panels[1] is None else panels
 
     def check(self, x, rope, c_kv, k_rope):
-        if _extension_for("mla_block", x, rope) is None or k_rope.pool.shape[-1] > 512:  # RoPE's buffer
+        if _extension_for("mla_block", x, rope, c_kv) is None or k_rope.pool.shape[-1] > 512:  # RoPE's buffer
             return None
         for view in (c_kv, k_rope):
             if view.scale is not None or view.pool.dtype is not torch.float32 or view.pool.dim() != 3:
@@ -133,9 +138,9 @@ class _MlaCall(BlockCall):
         CALLS["mla_block"] += 1  # one call, its attention latent_decode's kernel
         _count_products(self.counted)
         LINEAR_CALLS["head_products"] += 2
-        d_r = self.weights[4].shape[0] - self.d_c  # W^DKV's rows: d_c + d_R
-        count_flops("attention", 2 * self.n_head * (2 * self.d_c + d_r) * _keys(c_kv))
-        count_flops("linear", 2 * x.shape[0] * self.weight_elements)
+        d_r, T = self.weights[4].shape[0] - self.d_c, x.shape[1]  # W^DKV's rows: d_c + d_R
+        count_flops("attention", 2 * self.n_head * T * (2 * self.d_c + d_r) * _keys(c_kv))
+        count_flops("linear", 2 * x.shape[0] * T * self.weight_elements)
 
 
 def gqa_block_call(
@@ -147,17 +152,18 @@ def gqa_block_call(
     scale: float,
     panels: list[torch.Tensor | None] | None = None,
 ) -> BlockCall | None:
-    """One pre-norm MHA / GQA / MQA decoder block with a SwiGLU MLP at one new token a sequence, in one call of
-    the extension (csrc/decode_block.h): x (B, 1, d) -> x1 + MLP(RMSNorm(x1)), x1 = x + attention(RMSNorm(x)),
-    the new token's K and V written into the pools at its slot first (where the attention kernel reads it).
+    """One pre-norm MHA / GQA / MQA decoder block with a SwiGLU MLP at T new tokens a sequence, in one call of
+    the extension (csrc/decode_block.h): x (B, T, d) -> x1 + MLP(RMSNorm(x1)), x1 = x + attention(RMSNorm(x)),
+    the new tokens' K and V written into the pools at their slots first (each sequence's last T, where the
+    attention kernel reads them; causal among them).
     norms: (attention norm weight, MLP norm weight, eps); w_qkv [W^Q, W^K, W^V]; mlp ([W_1, W_2], W_O); panels:
     of the 4 products ([W^Q; W^K; W^V], W^O, [W_1; W_2], W_O of the MLP), each the weights' panels
     (``few_rows.pack_panels``) or None (the plain weights).
 
-    Returns the step's call ``call(x, rope, k, v)`` (rope: the whole-width tables (B, 1, 1, D) of
+    Returns the step's call ``call(x, rope, k, v)`` (rope: the whole-width tables (B, 1, T, D) of
     ``Step.cos_sin``; k, v the layer's views: float32 pools, one page table), or None (kernels unavailable,
     weights that are not plain contiguous float32 CPU tensors). The call returns None where the step does not
-    apply: more than ``FEW_ROWS`` sequences, another dtype or device, tensor subclasses, autograd on, quantized or
+    apply: more than ``FEW_ROWS`` rows B T, a paged row left-padded to T, another dtype or device, tensor subclasses, autograd on, quantized or
     bf16 pools, kernels off, under torch.compile; the caller then runs the block's operators one by one, which
     compute the same."""
     w_up, w_down = mlp

@@ -273,8 +273,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "flash-decoding attention over a block-table cache (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last axis in one pass (CPU)");
 #if KVLM_AVX512
-  m.def("gqa_block", &gqa_block, "one MHA / GQA decoder block at one new token a sequence (AVX-512 CPU)");
-  m.def("mla_block", &mla_block, "one absorbed-MLA decoder block at one new token a sequence (AVX-512 CPU)");
+  m.def("gqa_block", &gqa_block, "one MHA / GQA decoder block at a few new tokens a sequence (AVX-512 CPU)");
+  m.def("mla_block", &mla_block, "one absorbed-MLA decoder block at a few new tokens a sequence (AVX-512 CPU)");
   m.def("few_rows_linear", &kvlm_decode::few_rows::linear, "[x W_i^T + b_i] at a few rows of x (AVX-512 CPU)");
   m.def("panel_linear", &kvlm_decode::few_rows::panel_linear, "x W^T + b on W's panels (AVX-512 CPU)");
   m.def("head_products", &kvlm_decode::few_rows::head_products, "x_h W_h per head at a few rows (AVX-512 CPU)");

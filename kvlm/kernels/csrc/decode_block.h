@@ -1,4 +1,4 @@
-// One pre-norm decoder block of MHA / GQA / MQA at decode (one new token a sequence), in one call (issue 15,
+// One pre-norm decoder block of MHA / GQA / MQA at decode (T new tokens a sequence), in one call (issue 15,
 // "the rest of the step"): the step's weight products and attention are kernels already, but the ~20 small
 // operators between them, and the Python around them, ran cold after each weight stream (2-13 MB a product)
 // had pushed their code and data out of the caches: ~190 us a layer for GQA-3 at the bench reference shape,
@@ -12,32 +12,33 @@
 // compute the same; kvlm.kernels.gqa_block_call checks what this takes). Included by decode.cpp inside its
 // anonymous namespace, after decode_attention and rms_norm.
 
-// The new token's K or V rows, (B, G, D) at row stride `rs` of `src`, into the pool (N, G, P, D) at slot
-// end_b - 1 of each sequence: the place the attention kernel reads the token from (its block table).
-// (A latent's pool (N, P, D) has no group axis: G = 1.)
-inline void store_new_token(const float* src, int64_t rs, const at::Tensor& pool, const int32_t* table,
-                            int64_t max_blocks, const int32_t* end, int64_t B, int64_t G, int64_t D) {
+// The new tokens' K or V rows, (B, T, G, D) at row stride `rs` of `src` (row b T + t), into the pool
+// (N, G, P, D): token t of sequence b at slot end_b - T + t, where the attention kernel reads its T new tokens
+// (its block table). (A latent's pool (N, P, D) has no group axis: G = 1.)
+inline void store_new_tokens(const float* src, int64_t rs, const at::Tensor& pool, const int32_t* table,
+                             int64_t max_blocks, const int32_t* end, int64_t B, int64_t T, int64_t G, int64_t D) {
   const bool grouped = pool.dim() == 4;
   const int64_t P = pool.size(-2), s_row = pool.stride(-2), s_group = grouped ? pool.stride(1) : 0;
   float* dst = pool.data_ptr<float>();
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t s = end[b] - 1, page = table[b * max_blocks + s / P];
-    for (int64_t g = 0; g < G; ++g)
-      std::memcpy(dst + page * pool.stride(0) + g * s_group + (s % P) * s_row, src + b * rs + g * D,
-                  D * sizeof(float));
-  }
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t s = end[b] - T + t, page = table[b * max_blocks + s / P];
+      for (int64_t g = 0; g < G; ++g)
+        std::memcpy(dst + page * pool.stride(0) + g * s_group + (s % P) * s_row, src + (b * T + t) * rs + g * D,
+                    D * sizeof(float));
+    }
 }
 
-// The new token's slot of each sequence must be a page of the pool: checked before anything is written.
-inline void check_new_slots(const int32_t* table, int64_t max_blocks, const int32_t* end, int64_t B, int64_t P,
-                            int64_t n_pages) {
-  for (int64_t b = 0; b < B; ++b) {
-    const int64_t s = end[b] - 1;
-    TORCH_CHECK(s >= 0 && s < max_blocks * P, "decode block: sequence ", b, "'s new slot ", s,
-                " is outside its table");
-    const int64_t page = table[b * max_blocks + s / P];
-    TORCH_CHECK(page >= 0 && page < n_pages, "decode block: sequence ", b, "'s page ", page, " is not a page");
-  }
+// The T new tokens' slots of each sequence must be pages of the pool: checked before anything is written.
+inline void check_new_slots(const int32_t* table, int64_t max_blocks, const int32_t* end, int64_t B, int64_t T,
+                            int64_t P, int64_t n_pages) {
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t s = end[b] - T; s < end[b]; ++s) {
+      TORCH_CHECK(s >= 0 && s < max_blocks * P, "decode block: sequence ", b, "'s new slot ", s,
+                  " is outside its table");
+      const int64_t page = table[b * max_blocks + s / P];
+      TORCH_CHECK(page >= 0 && page < n_pages, "decode block: sequence ", b, "'s page ", page, " is not a page");
+    }
 }
 
 // [x W_1^T, ...] for the weights w, from their panels (few_rows_panels.h) where the caller packed them so (the
@@ -51,19 +52,23 @@ inline at::Tensor product(const at::Tensor& x, const std::vector<at::Tensor>& w,
   return few_rows::linear(x, w, std::vector<c10::optional<at::Tensor>>(w.size()));
 }
 
-// What both blocks check of their call: the RoPE tables (B, 1, 1, d_rope), the page table and ends of B sequences
-// (returned as int32 tensors), and each new slot a page of the pool (N pages of P slots), before anything is written.
-inline std::pair<at::Tensor, at::Tensor> check_block_call(const char* what, int64_t B, const at::Tensor& cos,
+// What both blocks check of their call: x a contiguous float32 (B, T, d), the RoPE tables (B, 1, T, d_rope), the
+// page table and ends of B sequences (returned as int32 tensors), and each new slot a page of the pool (N pages of
+// P slots), before anything is written.
+inline std::pair<at::Tensor, at::Tensor> check_block_call(const char* what, const at::Tensor& x, const at::Tensor& cos,
                                                           const at::Tensor& sin, int64_t d_rope,
                                                           const at::Tensor& block_table, const at::Tensor& end,
                                                           int64_t P, int64_t n_pages) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.is_contiguous(), what,
+              ": x must be a contiguous float32 (B, T, d) tensor (T new tokens a sequence)");
+  const int64_t B = x.size(0), T = x.size(1);
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
-                  sin.is_contiguous() && cos.numel() == B * d_rope && sin.numel() == B * d_rope,
-              what, ": cos, sin must be contiguous float32 (B, 1, 1, ", d_rope, ") whole-width tables");
+                  sin.is_contiguous() && cos.numel() == B * T * d_rope && sin.numel() == B * T * d_rope,
+              what, ": cos, sin must be contiguous float32 (B, 1, T, ", d_rope, ") whole-width tables");
   auto table = check_table(block_table, "block_table");
   auto en = check_table(end, "end");
   TORCH_CHECK(table.dim() == 2 && table.size(0) == B && en.numel() == B, what, ": tables must have B rows");
-  check_new_slots(table.data_ptr<int32_t>(), table.size(1), en.data_ptr<int32_t>(), B, P, n_pages);
+  check_new_slots(table.data_ptr<int32_t>(), table.size(1), en.data_ptr<int32_t>(), B, T, P, n_pages);
   return {table, en};
 }
 
@@ -88,17 +93,17 @@ inline at::Tensor swiglu_residual(const at::Tensor& x1, const at::Tensor& mlp_no
                                   const std::vector<at::Tensor>& w_up, const at::Tensor& w_down,
                                   const c10::optional<at::Tensor>& up_panels,
                                   const c10::optional<at::Tensor>& down_panels) {
-  const int64_t B = x1.size(0), d = x1.size(2), F = w_up[0].size(0);
+  const int64_t rows = x1.size(0) * x1.size(1), F = w_up[0].size(0);
   TORCH_CHECK(w_up[1].size(0) == F, "decode block: W_1 and W_2 must have as many rows");
-  auto up = product(rms_norm(x1, mlp_norm, eps), w_up, up_panels);  // (B, 1, 2F): [h W_1^T, h W_2^T]
-  auto u = at::empty({B, 1, F}, x1.options());
+  auto up = product(rms_norm(x1, mlp_norm, eps), w_up, up_panels);  // (B, T, 2F): [h W_1^T, h W_2^T]
+  auto u = at::empty({x1.size(0), x1.size(1), F}, x1.options());
   const float* upp = up.data_ptr<float>();
   float* uptr = u.data_ptr<float>();
-  for (int64_t b = 0; b < B; ++b) silu_gate(upp + b * 2 * F, upp + b * 2 * F + F, uptr + b * F, F);
+  for (int64_t r = 0; r < rows; ++r) silu_gate(upp + r * 2 * F, upp + r * 2 * F + F, uptr + r * F, F);
   auto y = product(u, {w_down}, down_panels);
   float* yp = y.data_ptr<float>();
   const float* x1p = x1.data_ptr<float>();
-  for (int64_t i = 0; i < B * d; ++i) yp[i] += x1p[i];
+  for (int64_t i = 0; i < x1.numel(); ++i) yp[i] += x1p[i];
   return y;
 }
 
@@ -131,11 +136,9 @@ at::Tensor gqa_block(const at::Tensor& x, const at::Tensor& attn_norm, const at:
                      const at::Tensor& v_pool, const at::Tensor& block_table, const at::Tensor& start,
                      const at::Tensor& end, int64_t n_head, double scale, int64_t n_split,
                      const std::vector<c10::optional<at::Tensor>>& panels) {
-  TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "gqa_block: x must be a contiguous float32 (B, 1, d) tensor (one new token a sequence)");
   TORCH_CHECK(w_qkv.size() == 3 && w_up.size() == 2 && panels.size() == 4,
               "gqa_block: [W^Q, W^K, W^V], [W_1, W_2] and the panels (or None) of its 4 products");
-  const int64_t B = x.size(0), G = k_pool.size(1), D = k_pool.size(3), H = n_head;
+  const int64_t B = x.size(0), T = x.size(1), G = k_pool.size(1), D = k_pool.size(3), H = n_head, R = H / G;
   TORCH_CHECK(k_pool.scalar_type() == at::kFloat && v_pool.scalar_type() == at::kFloat && k_pool.dim() == 4 &&
                   v_pool.sizes() == k_pool.sizes() && k_pool.stride(3) == 1 && v_pool.stride(3) == 1,
               "gqa_block: K and V pools must be float32 (N, G, P, D) of one shape, contiguous in D");
@@ -143,24 +146,26 @@ at::Tensor gqa_block(const at::Tensor& x, const at::Tensor& attn_norm, const at:
                   w_qkv[2].size(0) == G * D,
               "gqa_block: W^Q, W^K, W^V must have ", H, " and ", G, " heads of ", D, " rows");
   const int64_t P = k_pool.size(2);
-  const auto [table, en] = check_block_call("gqa_block", B, cos, sin, D, block_table, end, P, k_pool.size(0));
+  const auto [table, en] = check_block_call("gqa_block", x, cos, sin, D, block_table, end, P, k_pool.size(0));
   const int32_t* tp = table.data_ptr<int32_t>();
   const int32_t* ep = en.data_ptr<int32_t>();
   const int64_t max_blocks = table.size(1);
   const int64_t row = (H + 2 * G) * D;
 
-  auto qkv = product(rms_norm(x, attn_norm, eps), w_qkv, panels[0]);  // (B, 1, (H + 2G) D)
+  auto qkv = product(rms_norm(x, attn_norm, eps), w_qkv, panels[0]);  // (B, T, (H + 2G) D)
   float* qkvp = qkv.data_ptr<float>();
-  for (int64_t b = 0; b < B; ++b) rope_rows(qkvp + b * row, H + G, D, D, cos.data_ptr<float>() + b * D,
-                                            sin.data_ptr<float>() + b * D);  // q's heads and k's, adjacent
-  store_new_token(qkvp + H * D, row, k_pool, tp, max_blocks, ep, B, G, D);
-  store_new_token(qkvp + (H + G) * D, row, v_pool, tp, max_blocks, ep, B, G, D);
+  for (int64_t r = 0; r < B * T; ++r) rope_rows(qkvp + r * row, H + G, D, D, cos.data_ptr<float>() + r * D,
+                                                sin.data_ptr<float>() + r * D);  // q's heads and k's, adjacent
+  store_new_tokens(qkvp + H * D, row, k_pool, tp, max_blocks, ep, B, T, G, D);
+  store_new_tokens(qkvp + (H + G) * D, row, v_pool, tp, max_blocks, ep, B, T, G, D);
 
-  // queries (B, G, H / G, D): a view of the product's rows (the kernel copies its rows in any stride)
-  auto q = qkv.view({B, H + 2 * G, D}).narrow(1, 0, H).view({B, G, H / G, D});
-  auto o = decode_attention(q, c10::nullopt, k_pool, c10::nullopt, v_pool, c10::nullopt, c10::nullopt, table, start,
-                            en, P, 1, scale, n_split);  // (B, G, H / G, D) = heads in order
-  auto x1 = add_residual(product(o.view({B, 1, H * D}), {w_o}, panels[1]), x);
+  // queries (B, G, R T, D), a group's rows head by head, each head's T tokens in order (kvlm.kernels.gqa_decode):
+  // at one token a view of the product's rows (the kernel copies its rows in any stride), else a small copy
+  auto q = qkv.view({B, T, H + 2 * G, D}).narrow(2, 0, H).view({B, T, G, R, D}).permute({0, 2, 3, 1, 4});
+  auto o = decode_attention(q.reshape({B, G, R * T, D}), c10::nullopt, k_pool, c10::nullopt, v_pool, c10::nullopt,
+                            c10::nullopt, table, start, en, P, T, scale, n_split);  // (B, G, R T, D)
+  auto o_rows = o.view({B, G, R, T, D}).permute({0, 3, 1, 2, 4}).reshape({B, T, H * D});  // heads in order
+  auto x1 = add_residual(product(o_rows, {w_o}, panels[1]), x);
   return swiglu_residual(x1, mlp_norm, eps, w_up, w_down, panels[2], panels[3]);
 }
 
@@ -175,9 +180,7 @@ at::Tensor mla_block(const at::Tensor& x, const at::Tensor& attn_norm, const at:
                      const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& ckv_pool, const at::Tensor& kr_pool,
                      const at::Tensor& block_table, const at::Tensor& start, const at::Tensor& end, double scale,
                      int64_t n_split, const std::vector<c10::optional<at::Tensor>>& panels) {
-  TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && x.scalar_type() == at::kFloat && x.is_contiguous(),
-              "mla_block: x must be a contiguous float32 (B, 1, d) tensor (one new token a sequence)");
-  const int64_t B = x.size(0), H = w_uk.size(0), dh = w_uk.size(1), dc = w_uk.size(2), dr = kr_pool.size(-1);
+  const int64_t B = x.size(0), T = x.size(1), BT = B * T, H = w_uk.size(0), dh = w_uk.size(1), dc = w_uk.size(2), dr = kr_pool.size(-1);
   TORCH_CHECK(w_uv.dim() == 3 && w_uv.size(0) == H && w_uv.size(1) == dc && w_uv.size(2) == dh,
               "mla_block: W~^UK (h, d_h, d_c) and W~^UV (h, d_c, d_h)");
   TORCH_CHECK(panels.size() == 5, "mla_block: the panels (or None) of its 5 products");
@@ -192,22 +195,22 @@ at::Tensor mla_block(const at::Tensor& x, const at::Tensor& attn_norm, const at:
   TORCH_CHECK(!has_norm || (kv_norm->numel() == dc && kv_norm->scalar_type() == at::kFloat && kv_norm->is_contiguous()),
               "mla_block: kv_norm must be a float32 vector of d_c");
   const int64_t P = ckv_pool.size(1);
-  const auto [table, en] = check_block_call("mla_block", B, cos, sin, dr, block_table, end, P, ckv_pool.size(0));
+  const auto [table, en] = check_block_call("mla_block", x, cos, sin, dr, block_table, end, P, ckv_pool.size(0));
   const int32_t* tp = table.data_ptr<int32_t>();
   const int32_t* ep = en.data_ptr<int32_t>();
   const int64_t max_blocks = table.size(1);
   const int64_t qw = H * (dh + dr), row = qw + dc + dr;
 
-  // (B, 1, h (d_h + d_R) + d_c + d_R): W^Q and W^DKV as one product on the plain weights, else one each
+  // (B, T, h (d_h + d_R) + d_c + d_R): W^Q and W^DKV as one product on the plain weights, else one each
   const auto h = rms_norm(x, attn_norm, eps);
   const bool plain = !(panels[0].has_value() && panels[0]->defined()) && !(panels[1].has_value() && panels[1]->defined());
   auto qkv = plain ? product(h, {w_q, w_kv_a}, c10::nullopt)
                    : at::cat({product(h, {w_q}, panels[0]), product(h, {w_kv_a}, panels[1])}, -1);
   float* p = qkv.data_ptr<float>();
-  auto c_kv = at::empty({B, dc}, x.options());
+  auto c_kv = at::empty({BT, dc}, x.options());
   float* cp = c_kv.data_ptr<float>();
   const float alpha = static_cast<float>(alpha_kv);
-  for (int64_t b = 0; b < B; ++b) {
+  for (int64_t b = 0; b < BT; ++b) {  // each new token's row
     float* r = p + b * row;
     const float* cb = cos.data_ptr<float>() + b * dr;
     const float* sb = sin.data_ptr<float>() + b * dr;
@@ -220,15 +223,21 @@ at::Tensor mla_block(const at::Tensor& x, const at::Tensor& attn_norm, const at:
     if (alpha != 1.0f)
       for (int64_t i = 0; i < dc; ++i) cp[b * dc + i] *= alpha;
   }
-  store_new_token(cp, dc, ckv_pool, tp, max_blocks, ep, B, 1, dc);
-  store_new_token(p + qw + dc, row, kr_pool, tp, max_blocks, ep, B, 1, dr);
+  store_new_tokens(cp, dc, ckv_pool, tp, max_blocks, ep, B, T, 1, dc);
+  store_new_tokens(p + qw + dc, row, kr_pool, tp, max_blocks, ep, B, T, 1, dr);
 
-  auto q = qkv.view({B, row}).narrow(1, 0, qw).view({B, H, dh + dr});
-  auto q_lat = few_rows::head_products(q.narrow(2, 0, dh).transpose(0, 1), w_uk);  // (B, h, d_c)
+  // the attention's rows (B, 1, h T, .): head by head, each head's T tokens in order (kvlm.kernels.latent_decode);
+  // at one token views, else small copies
+  auto q = qkv.view({BT, row}).narrow(1, 0, qw).view({BT, H, dh + dr});
+  auto q_lat = few_rows::head_products(q.narrow(2, 0, dh).transpose(0, 1), w_uk);  // (B T, h, d_c)
+  auto heads_first = [&](const at::Tensor& t) {  // (B T, h, w) -> (B, 1, h T, w)
+    return t.view({B, T, H, t.size(-1)}).transpose(1, 2).reshape({B, 1, H * T, t.size(-1)});
+  };
   auto pool = ckv_pool.unsqueeze(1);
-  auto z = decode_attention(q_lat.view({B, 1, H, dc}), q.narrow(2, dh, dr).view({B, 1, H, dr}), pool, c10::nullopt,
-                            pool, c10::nullopt, kr_pool, table, start, en, P, 1, scale, n_split);  // (B, 1, h, d_c)
-  auto o = few_rows::head_products(z.view({B, H, dc}).transpose(0, 1), w_uv);  // (B, h, d_h)
-  auto x1 = add_residual(product(o.view({B, 1, H * dh}), {w_o}, panels[2]), x);
+  auto z = decode_attention(heads_first(q_lat), heads_first(q.narrow(2, dh, dr)), pool, c10::nullopt, pool,
+                            c10::nullopt, kr_pool, table, start, en, P, T, scale, n_split);  // (B, 1, h T, d_c)
+  auto z_heads = z.view({B, H, T, dc}).transpose(0, 1).reshape({H, BT, dc});  // (h, B T, d_c)
+  auto o = few_rows::head_products(z_heads, w_uv);  // (B T, h, d_h)
+  auto x1 = add_residual(product(o.view({B, T, H * dh}), {w_o}, panels[2]), x);
   return swiglu_residual(x1, mlp_norm, eps, w_up, w_down, panels[3], panels[4]);
 }

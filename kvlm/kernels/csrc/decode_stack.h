@@ -1,4 +1,4 @@
-// A model's decoder blocks at decode (one new token a sequence) in one call (kvlm.kernels.block_stack): the
+// A model's decoder blocks at decode (T new tokens a sequence) in one call (kvlm.kernels.block_stack): the
 // blocks of decode_block.h one after another, their weights held here from when the stack is built, so that a
 // step crosses from Python once for all its layers. Run module by module or block by block, each layer costs a
 // decode step Python between the kernels: ~60-105 us a layer at the bench reference shape, the interpreter's
@@ -42,7 +42,7 @@ struct BlockStack {
     layers.push_back(std::move(l));
   }
 
-  // x (B, 1, d) through every layer: layer i reads and writes pools a[i], b[i] (K and V, or c_kv and k_rope) on
+  // x (B, T, d) through every layer: layer i reads and writes pools a[i], b[i] (K and V, or c_kv and k_rope) on
   // one page table; all layers share the RoPE tables and the key axis's split. Each block checks its call
   // before it writes anything, so a bad layer stops the stack there (the layers before it have written their
   // new token's slot, which the step's retry overwrites).
