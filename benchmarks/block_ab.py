@@ -8,6 +8,10 @@ was measured by this script's version of 2026-11-28 18:11, benchmarks/decode-lim
 
     OMP_NUM_THREADS=2 python benchmarks/block_ab.py                      # ~2 min on 2 quiet cores
     OMP_NUM_THREADS=2 python benchmarks/block_ab.py --quick              # a toy shape: checks the script
+    OMP_NUM_THREADS=2 python benchmarks/block_ab.py --tokens 4           # calls of 4 new tokens a sequence
+
+``--tokens T``: each call appends T new tokens a sequence (speculative verification) with the logits of all T, in
+the cells of at most ``FEW_ROWS`` rows (batch x T) that the block kernels take.
 
 Prints per variant, batch and context the median ms of each arm, modules / blocks (>1: each block in one call is
 faster than its modules) and blocks / stack (>1: all blocks in one call is faster than one call each).
@@ -24,23 +28,24 @@ from step_overhead import QUICK, SHAPE, VARIANTS, VARIANTS_QUICK  # this folder
 
 from kvlm.bench.plan import parse_variant
 from kvlm.inference.generation import packs_for
+from kvlm.kernels.few_rows import FEW_ROWS
 from kvlm.model import KVLM, Block, build_model
 
 CELLS = ((1, 1), (8, 1), (1, 8192), (8, 4096))  # (batch, cached tokens)
 CELLS_QUICK = ((1, 1), (4, 40))
 
 
-def ab(spec: str, batch: int, ctx: int, shape: dict, rounds: int) -> tuple[float, float, float]:
+def ab(spec: str, batch: int, ctx: int, shape: dict, rounds: int, T: int = 1) -> tuple[float, float, float]:
     _, cfg = parse_variant(spec, shape)
     cfg = cfg.replace(max_seq_len=ctx + 8)
     torch.manual_seed(0)
     model = build_model(cfg).eval().prepare_for_inference()
-    layout = packs_for(model, batch)
+    layout = packs_for(model, batch * T)
     if layout is not None:
         model.pack_for_decode(layout)
     cache = model.new_cache(batch, ctx + 8)
     cache.fill_random_(ctx, cfg.vocab_size)
-    tok = torch.randint(0, cfg.vocab_size, (batch, 1))
+    tok = torch.randint(0, cfg.vocab_size, (batch, T))
     mode = "absorbed" if spec.startswith("mla") else "auto"
     kept_plan, decode_stack = Block.kept_plan, KVLM.decode_stack
     off = lambda *args: None  # noqa: E731
@@ -53,7 +58,7 @@ def ab(spec: str, batch: int, ctx: int, shape: dict, rounds: int) -> tuple[float
                     Block.kept_plan, KVLM.decode_stack = arms[name]
                     cache.length = ctx
                     t0 = time.perf_counter()
-                    model(tok, cache=cache, mode=mode, last_only=True)
+                    model(tok, cache=cache, mode=mode, last_only=T == 1)
                     if r:  # the first round warms both arms up
                         times[name].append((time.perf_counter() - t0) * 1e3)
     finally:
@@ -65,16 +70,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a toy shape, to check the script (seconds)")
     ap.add_argument("--rounds", type=int, default=21)
+    ap.add_argument("--tokens", type=int, default=1, help="new tokens a sequence per call (default 1)")
     args = ap.parse_args()
     shape, variants, cells = (QUICK, VARIANTS_QUICK, CELLS_QUICK) if args.quick else (SHAPE, VARIANTS, CELLS)
+    cells = [(b, c) for b, c in cells if b * args.tokens <= FEW_ROWS]
     print(
-        f"{torch.get_num_threads()} threads, ms per decode step, medians of {args.rounds} interleaved rounds\n"
+        f"{torch.get_num_threads()} threads, ms per call of {args.tokens} new token(s) a sequence, medians of "
+        f"{args.rounds} interleaved rounds\n"
     )
     print("| variant | batch | cached tokens | modules | blocks | stack | modules / blocks | blocks / stack |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for spec in variants:
         for batch, ctx in cells:
-            mod, blocks, stack = ab(spec, batch, ctx, shape, args.rounds)
+            mod, blocks, stack = ab(spec, batch, ctx, shape, args.rounds, args.tokens)
             print(
                 f"| {spec} | {batch} | {ctx} | {mod:.2f} | {blocks:.2f} | {stack:.2f} | {mod / blocks:.3f} | "
                 f"{blocks / stack:.3f} |",
