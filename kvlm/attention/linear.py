@@ -183,13 +183,14 @@ class Linear(Watched, nn.Linear):
 
     def first_panels(self) -> tuple[bool, torch.Tensor | None]:
         """For a product in C++ (kvlm.kernels.gqa_block_call): (True, the panels) where they go first, (True, None)
-        where the plain weight does, (False, None) where the panels would but are stale or there is a bias."""
+        where the plain weight does, stale panels included (written or copied since packing: ``forward`` then runs
+        the few-row kernel on the plain weight too), (False, None) where panels go first with a bias."""
         if not self.packed_first():
             return True, None
-        w = self.weight
-        if self._packed[0] != (w.data_ptr(), _version(w), PANELS) or self.bias is not None:
+        if self.bias is not None:
             return False, None
-        return True, self._packed[1]
+        w = self.weight
+        return True, self._packed[1] if self._packed[0] == (w.data_ptr(), _version(w), PANELS) else None
 
     def train(self, mode: bool = True):
         if mode:
@@ -315,12 +316,12 @@ class PackedGroup:
         return self.rows == PANELS
 
     def first_panels(self, linears: list[Linear]) -> tuple[bool, torch.Tensor | None]:
-        """As ``Linear.first_panels``, for the group's one product."""
+        """As ``Linear.first_panels``, for the group's one product (stale: its Linears' plain weights)."""
         if not self.packed_first():
             return True, None
-        if self._key([m.weight for m in linears], PANELS) != self.key or self.bias is not None:
+        if self.bias is not None:
             return False, None
-        return True, self.packed
+        return True, self.packed if self._key([m.weight for m in linears], PANELS) == self.key else None
 
     @staticmethod
     def _key(weights: list[torch.Tensor], rows: int | str) -> tuple:
