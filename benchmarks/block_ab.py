@@ -9,9 +9,11 @@ was measured by this script's version of 2026-11-28 18:11, benchmarks/decode-lim
     OMP_NUM_THREADS=2 python benchmarks/block_ab.py                      # ~2 min on 2 quiet cores
     OMP_NUM_THREADS=2 python benchmarks/block_ab.py --quick              # a toy shape: checks the script
     OMP_NUM_THREADS=2 python benchmarks/block_ab.py --tokens 4           # calls of 4 new tokens a sequence
+    OMP_NUM_THREADS=2 python benchmarks/block_ab.py --batch 16           # 16 sequences, 1 and 4096 cached tokens
 
 ``--tokens T``: each call appends T new tokens a sequence (speculative verification) with the logits of all T, in
-the cells of at most ``FEW_ROWS`` rows (batch x T) that the block kernels take.
+the cells of at most ``MAX_ROWS`` rows (batch x T) that the block kernels take (past ``FEW_ROWS`` only with no
+weight in a library's packed layout: where ``generate`` packs one for the batch, the three arms run alike).
 
 Prints per variant, batch and context the median ms of each arm, modules / blocks (>1: each block in one call is
 faster than its modules) and blocks / stack (>1: all blocks in one call is faster than one call each).
@@ -28,7 +30,7 @@ from step_overhead import QUICK, SHAPE, VARIANTS, VARIANTS_QUICK  # this folder
 
 from kvlm.bench.plan import parse_variant
 from kvlm.inference.generation import packs_for
-from kvlm.kernels.few_rows import FEW_ROWS
+from kvlm.kernels.few_rows import MAX_ROWS
 from kvlm.model import KVLM, Block, build_model
 
 CELLS = ((1, 1), (8, 1), (1, 8192), (8, 4096))  # (batch, cached tokens)
@@ -71,9 +73,12 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="a toy shape, to check the script (seconds)")
     ap.add_argument("--rounds", type=int, default=21)
     ap.add_argument("--tokens", type=int, default=1, help="new tokens a sequence per call (default 1)")
+    ap.add_argument("--batch", type=int, help="this many sequences at 1 and 4096 cached tokens instead of the cells")
     args = ap.parse_args()
     shape, variants, cells = (QUICK, VARIANTS_QUICK, CELLS_QUICK) if args.quick else (SHAPE, VARIANTS, CELLS)
-    cells = [(b, c) for b, c in cells if b * args.tokens <= FEW_ROWS]
+    if args.batch:
+        cells = [(args.batch, c) for c in ((1, 40) if args.quick else (1, 4096))]
+    cells = [(b, c) for b, c in cells if b * args.tokens <= MAX_ROWS]
     print(
         f"{torch.get_num_threads()} threads, ms per call of {args.tokens} new token(s) a sequence, medians of "
         f"{args.rounds} interleaved rounds\n"

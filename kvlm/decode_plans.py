@@ -28,9 +28,10 @@ def decoding(module: nn.Module) -> bool:
 
 def block_rows(module: nn.Module, x: torch.Tensor) -> bool:
     """Whether a call on x (B, T, d) may run its blocks as kernel calls: ``decoding`` and rows the block kernels'
-    products take first (``few_rows_fit``: float32 on CPU, B T up to ``FEW_ROWS``), T > 1 new tokens a sequence
-    included (speculative verification, a short prompt)."""
-    return x.dim() == 3 and few_rows_fit(x) and decoding(module)
+    products may take (``few_rows_fit``: float32 on CPU, B T up to ``MAX_ROWS``; past ``FEW_ROWS`` only blocks
+    whose weights no library layout holds, ``BlockCall.wide``), T > 1 new tokens a sequence included
+    (speculative verification, a short prompt)."""
+    return x.dim() == 3 and few_rows_fit(x, first=False) and decoding(module)
 
 
 def kept_plan(block: nn.Module):

@@ -22,6 +22,7 @@ from torch import nn
 
 from kvlm.attention import Attention, GateEmbedding, Step, get_attention_class
 from kvlm.attention.base import GroupPacking, Linear, hooked
+from kvlm.attention.linear import library_packed
 from kvlm.attention.norm import RMSNorm
 from kvlm.attention.watch import Watched
 from kvlm.cache import CacheError, KVCache
@@ -120,7 +121,10 @@ class Block(Watched, nn.Module):
             return None
         weights = self.decode_block_weights()
         plan = getattr(self.attn, "decode_block_plan", None)  # a tensor-parallel wrapper has none
-        return plan(weights) if weights is not None and plan is not None else None
+        plan = plan(weights) if weights is not None and plan is not None else None
+        if plan is not None:  # 9-16 rows too, unless its modules would run them on a library's packed copy
+            plan.call.wide = not library_packed(self.modules())
+        return plan
 
     def decode_block_weights(self) -> tuple | None:
         """What ``Attention.decode_block_plan`` needs of the rest of the block (RMSNorms of one eps, a bias-free SwiGLU):

@@ -133,3 +133,24 @@ def test_a_decoded_model_is_freed(attention, extra):
     del model
     gc.collect()
     assert [r() is None for r in refs] == [True, True, True]
+
+
+@pytest.mark.parametrize("attention,extra", [("gqa", dict(n_kv_head=2)), ("mla", MLA)])
+def test_nine_to_sixteen_rows_take_the_stack_unless_a_library_layout_holds_the_weights(attention, extra):
+    """12 sequences: past FEW_ROWS the modules' products run the few-row kernel too (on the plain weights or its
+    panels), and the stack takes the step; weights packed in MKL's layout for 12 rows, which the modules run
+    there instead, leave the blocks module by module. Each against the full forward."""
+    from kvlm.attention.linear import PANELS, packing_available
+
+    model = _model(attention, extra)
+    tokens = torch.randint(0, 101, (12, 8), generator=torch.Generator().manual_seed(6))
+    with torch.inference_mode():
+        want = model(tokens)[:, 4:]
+    layouts = [None, PANELS] + ([12] if packing_available(12) else [])
+    for layout in layouts:
+        model.pack_for_decode(layout)
+        got, calls = _decode(model, tokens, 4)
+        layers = calls.get("gqa_block", 0) + calls.get("mla_block", 0)
+        stacked = (calls.get("block_stack", 0), layers)
+        assert stacked == ((0, 0) if layout == 12 else (4, 4 * model.cfg.n_layer)), layout
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)

@@ -1,5 +1,5 @@
 """A few new tokens a sequence in the block kernels and the stack of them (csrc/decode_block.h, x (B, T, d) with
-B T <= FEW_ROWS: speculative verification, a short prompt), in float32, against the same model with the block
+B T <= MAX_ROWS: speculative verification, a short prompt), in float32, against the same model with the block
 plans off (the modules one by one, the plain path tested against float64 elsewhere) and against the full
 forward: each sequence's new tokens written at its last T slots and causal among themselves, on the contiguous
 cache (a left-padded prompt's padding queries included) and across the pages of a paged one; and a paged call
@@ -71,8 +71,8 @@ def test_calls_of_a_few_tokens_equal_the_modules_and_the_full_forward(monkeypatc
 
 def test_more_rows_than_the_kernels_take_run_module_by_module():
     model = _model("gqa", dict(n_kv_head=2))
-    tokens = torch.randint(0, 101, (3, 9), generator=torch.Generator().manual_seed(2))
-    got, stacks = _chunks(model, tokens, (3, 3, 2, 1))  # 9, 9, 6 and 3 rows
+    tokens = torch.randint(0, 101, (3, 15), generator=torch.Generator().manual_seed(2))
+    got, stacks = _chunks(model, tokens, (6, 6, 2, 1))  # 18, 18, 6 and 3 rows (MAX_ROWS 16)
     assert stacks == [0, 0, 1, 1]
     with torch.inference_mode():
         torch.testing.assert_close(got, model(tokens), rtol=2e-5, atol=2e-5)

@@ -283,6 +283,19 @@ if hasattr(torch.ops, "kvlm") and hasattr(torch.ops.kvlm, "packed_linear"):
     _register_flops(torch.ops.kvlm.packed_linear, _group_linear_flops)
 
 
+def library_packed(modules) -> bool:
+    """Whether any of ``modules`` holds a packed copy in a library's layout (MKL's for its rows, oneDNN's for any):
+    its products at 9 to ``MAX_ROWS`` rows run on that copy, which ``generate`` packs where it measured faster than
+    the few-row kernel (``fastest_packing``), so a block kernel, whose products are the few-row kernel's, declines
+    those rows (``kvlm.kernels.block.BlockCall.wide``)."""
+    for m in modules:
+        if isinstance(m, Linear) and m._packed is not None and not m.packed_first():
+            return True
+        if any(not g.packed_first() for g in m.__dict__.get("_decode_groups", {}).values()):
+            return True
+    return False
+
+
 class PackedGroup:
     """Linears that read the same input (q/k/v, SwiGLU's gate and up), packed at decode as one GEMM
     [W_1; ...; W_n] for products of ``rows`` rows (as ``Linear.pack_for_decode``): one weight stream and one call

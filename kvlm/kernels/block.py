@@ -1,6 +1,7 @@
 """The decoder block in one call of the extension at T new tokens a sequence (csrc/decode_block.h): RMSNorm,
 the few-row weight products, RoPE, the new tokens' cache writes, attention over the cache, the residuals and
-SwiGLU, for up to ``FEW_ROWS`` rows (B T) in float32 on an AVX-512 CPU.
+SwiGLU, for up to ``FEW_ROWS`` rows (B T; ``MAX_ROWS`` where no weight of the block is packed in a library's
+layout: ``BlockCall.wide``) in float32 on an AVX-512 CPU.
 
 ``gqa_block_call`` / ``mla_block_call`` check the block's weights once and return the call a decode step makes
 (``call(x, rope, views...)``, a ``BlockCall``), which checks only what changes from step to step (the input, the
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 import kvlm.kernels.cpu as cpu  # cpu.extension() looked up at each call, as in kvlm.kernels
-import kvlm.kernels.few_rows as few_rows  # few_rows.FEW_ROWS read at each call (tests turn it off)
+import kvlm.kernels.few_rows as few_rows  # FEW_ROWS / MAX_ROWS read at each call (tests turn them off)
 from kvlm.kernels.shared import CALLS, LINEAR_CALLS, count_flops
 from kvlm.kernels.views import _check_pool, _check_rope, _keys, _same_pages, _splits
 
@@ -34,18 +35,19 @@ def _has(name: str) -> bool:
     return ext is not None and hasattr(ext, name)
 
 
-def _extension_for(name: str, x: torch.Tensor, rope: Rope, a: BlockView):
+def _extension_for(name: str, x: torch.Tensor, rope: Rope, a: BlockView, wide: bool):
     """The extension when its block kernel ``name`` takes x (B, T, d), the RoPE tables and the cache view ``a``
     now: a built extension with the kernel, no autograd, not traced, x a contiguous float32 CPU tensor of T new
-    tokens for B sequences, B T at most ``FEW_ROWS`` (its products' rows), the tables plain contiguous float32
-    CPU tensors, and each sequence's last T slots its new tokens (not a paged row left-padded to T: the kernel
-    writes them, and that padding is never stored); else None."""
+    tokens for B sequences, B T at most ``FEW_ROWS`` (its products' rows; ``MAX_ROWS`` when ``wide``), the tables
+    plain contiguous float32 CPU tensors, and each sequence's last T slots its new tokens (not a paged row
+    left-padded to T: the kernel writes them, and that padding is never stored); else None."""
     ext = cpu.extension()
     if ext is None or not hasattr(ext, name) or torch.is_grad_enabled() or torch.compiler.is_compiling():
         return None
     if type(x) is not torch.Tensor or not few_rows._plain(x) or x.dim() != 3:
         return None
-    if not 0 < x.shape[0] * x.shape[1] <= few_rows.FEW_ROWS or not (few_rows._plain(rope[0]) and few_rows._plain(rope[1])):
+    most = few_rows.MAX_ROWS if wide else few_rows.FEW_ROWS
+    if not 0 < x.shape[0] * x.shape[1] <= most or not (few_rows._plain(rope[0]) and few_rows._plain(rope[1])):
         return None
     if x.shape[1] > 1 and (a.padded or (a.shortest is not None and a.shortest < x.shape[1])):
         return None
@@ -65,6 +67,11 @@ class BlockCall:
     those between the page table's ends and the split count; ``panels`` last."""
 
     kind = ""  # "gqa" or "mla": the extension's {kind}_block and BlockStack.add_{kind}
+    # up to MAX_ROWS rows, not only FEW_ROWS: set by the block (``kvlm.model.Block.one_call_plan``) where none of
+    # its weights is packed in a library's layout, which its modules would run at 9-16 rows instead
+    # (``kvlm.attention.linear.library_packed``); there the modules run the few-row kernel too, on the panels
+    # or the plain weights, as the block does
+    wide = False
 
     def __init__(self, weights: tuple, after: tuple, panels: list, weight_elements: int):
         self.weights, self.after, self.panels, self.weight_elements = weights, after, panels, weight_elements
@@ -95,7 +102,7 @@ class _GqaCall(BlockCall):
         self.n_head = after[0]
 
     def check(self, x, rope, k, v):
-        if _extension_for("gqa_block", x, rope, k) is None or k.scale is not None or v.scale is not None:
+        if _extension_for("gqa_block", x, rope, k, self.wide) is None or k.scale is not None or v.scale is not None:
             return None
         if k.pool.dtype is not torch.float32 or v.pool.dtype is not torch.float32:
             return None
@@ -125,7 +132,7 @@ class _MlaCall(BlockCall):
         self.counted = panels[1:] if panels[0] is None and panels[1] is None else panels
 
     def check(self, x, rope, c_kv, k_rope):
-        if _extension_for("mla_block", x, rope, c_kv) is None or k_rope.pool.shape[-1] > 512:  # RoPE's buffer
+        if _extension_for("mla_block", x, rope, c_kv, self.wide) is None or k_rope.pool.shape[-1] > 512:  # RoPE's buffer
             return None
         for view in (c_kv, k_rope):
             if view.scale is not None or view.pool.dtype is not torch.float32 or view.pool.dim() != 3:
@@ -228,6 +235,7 @@ class StackCall:
 
     def __init__(self, calls: Sequence[BlockCall], stack):
         self.calls, self.stack = tuple(calls), stack
+        self.wide = all(c.wide for c in self.calls)  # the first layer's rows are checked as every layer's
         self.pools: tuple = ()  # the last step's pools, each checked as the first layer's (``_like``) then
 
     def __call__(self, x: torch.Tensor, inputs: Sequence[tuple[Rope, BlockView, BlockView]]) -> torch.Tensor | None:
@@ -235,7 +243,7 @@ class StackCall:
             return None
         rope, a0, b0 = inputs[0]
         n_split = self.calls[0].check(x, rope, a0, b0)  # the first layer in full, the others as it
-        if n_split is None:
+        if n_split is None or (not self.wide and x.shape[0] * x.shape[1] > few_rows.FEW_ROWS):
             return None
         pools = tuple(v.pool for _, a, b in inputs for v in (a, b))
         same = len(pools) == len(self.pools) and all(p is q for p, q in zip(pools, self.pools))
