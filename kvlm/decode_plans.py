@@ -47,10 +47,11 @@ def kept_plan(block: nn.Module):
 
 def decode_stack(model: nn.Module, x: torch.Tensor, step, cache) -> torch.Tensor | None:
     """Every block of ``model`` at a decode step (x (B, T, d), T new tokens a sequence: ``block_rows``) in one
-    kernel call (kvlm.kernels.block_stack, csrc/decode_stack.h) over the blocks' kept plans, or None where a block has none
-    or the step does not apply (each block then runs on its own: ``Block.one_call``, else module by module). The
-    stack is built again when any block's plan is (a weight, hook or flag changed). The Python around each
-    block's own call cost a step ~60-105 us a layer, cold after each weight stream (benchmarks/decode-limit.md)."""
+    kernel call (kvlm.kernels.block_stack, csrc/decode_stack.h) over the blocks' kept plans, or None where a
+    block has none or the step does not apply (each block then runs on its own: ``Block.one_call``, else module
+    by module). The stack is built again when any block's plan is (a weight, hook or flag changed). The Python
+    around each block's own call cost a step ~60-105 us a layer, cold after each weight stream
+    (benchmarks/decode-limit.md)."""
     if not block_rows(model, x):
         return None
     plans = []

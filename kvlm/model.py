@@ -103,7 +103,7 @@ class Block(Watched, nn.Module):
 
     def one_call(self, x: torch.Tensor, step: Step, cache) -> torch.Tensor | None:
         """The block as one kernel call at decode (``Attention.decode_block_plan``: a few new tokens a sequence, up
-        to ``FEW_ROWS`` rows, inference: ``block_rows``), or None where it does not apply (the modules then run one
+        to ``MAX_ROWS`` rows, inference: ``block_rows``), or None where it does not apply (the modules then run one
         by one)."""
         if not block_rows(self, x):
             return None

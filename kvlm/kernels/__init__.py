@@ -54,6 +54,7 @@ from kvlm.kernels.views import (  # noqa: F401
     _keys,
     _same_pages,
     _splits,
+    _too_short,
 )
 
 if TYPE_CHECKING:
@@ -144,14 +145,6 @@ def _run(
         q, q_rope, k_pool, k_scale, v_pool, v_scale, kr_pool, view.block_table, view.start, view.end,
         view.page_size, n_new, scale, _splits(items, view),
     )  # fmt: skip
-
-
-def _too_short(view: BlockView, T: int) -> str | None:
-    """Why a kernel cannot take a call whose rows' last T slots are not all new tokens: a row of a paged call
-    left-padded to T columns holding fewer than T slots (its padding is never stored)."""
-    if view.shortest is not None and view.shortest < T:
-        return f"a row holds {view.shortest} slots, fewer than the call's {T} new tokens (a padded row)"
-    return None
 
 
 def _unavailable(strict: bool, why: str) -> None:

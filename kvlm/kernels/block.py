@@ -22,7 +22,7 @@ import torch
 import kvlm.kernels.cpu as cpu  # cpu.extension() looked up at each call, as in kvlm.kernels
 import kvlm.kernels.few_rows as few_rows  # FEW_ROWS / MAX_ROWS read at each call (tests turn them off)
 from kvlm.kernels.shared import CALLS, LINEAR_CALLS, count_flops
-from kvlm.kernels.views import _check_pool, _check_rope, _keys, _same_pages, _splits
+from kvlm.kernels.views import _check_pool, _check_rope, _keys, _same_pages, _splits, _too_short
 
 if TYPE_CHECKING:
     from kvlm.cache.layer import BlockView
@@ -49,7 +49,7 @@ def _extension_for(name: str, x: torch.Tensor, rope: Rope, a: BlockView, wide: b
     most = few_rows.MAX_ROWS if wide else few_rows.FEW_ROWS
     if not 0 < x.shape[0] * x.shape[1] <= most or not (few_rows._plain(rope[0]) and few_rows._plain(rope[1])):
         return None
-    if x.shape[1] > 1 and (a.padded or (a.shortest is not None and a.shortest < x.shape[1])):
+    if x.shape[1] > 1 and (a.padded or _too_short(a, x.shape[1])):
         return None
     return ext
 
@@ -170,8 +170,8 @@ def gqa_block_call(
     Returns the step's call ``call(x, rope, k, v)`` (rope: the whole-width tables (B, 1, T, D) of
     ``Step.cos_sin``; k, v the layer's views: float32 pools, one page table), or None (kernels unavailable,
     weights that are not plain contiguous float32 CPU tensors). The call returns None where the step does not
-    apply: more than ``FEW_ROWS`` rows B T, a paged row left-padded to T, another dtype or device, tensor subclasses, autograd on, quantized or
-    bf16 pools, kernels off, under torch.compile; the caller then runs the block's operators one by one, which
+    apply: more B T rows than ``_extension_for`` allows, a paged row left-padded to T, another dtype or device,
+    tensor subclasses, autograd on, quantized or bf16 pools, kernels off, under torch.compile; the caller then runs the block's operators one by one, which
     compute the same."""
     w_up, w_down = mlp
     weights = (*w_qkv, w_o, *w_up, w_down)

@@ -64,3 +64,11 @@ def _splits(items: int, view: BlockView) -> int:
 def _keys(view: BlockView) -> int:
     """Cached keys of all sequences of a view (for the FLOP count): the cache's host value, else read back."""
     return view.keys if view.keys is not None else visible_keys(view.start, view.end)
+
+
+def _too_short(view: BlockView, T: int) -> str | None:
+    """Why a kernel cannot take a call whose rows' last T slots are not all new tokens: a row of a paged call
+    left-padded to T columns holding fewer than T slots (its padding is never stored)."""
+    if view.shortest is not None and view.shortest < T:
+        return f"a row holds {view.shortest} slots, fewer than the call's {T} new tokens (a padded row)"
+    return None

@@ -180,7 +180,8 @@ at::Tensor mla_block(const at::Tensor& x, const at::Tensor& attn_norm, const at:
                      const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& ckv_pool, const at::Tensor& kr_pool,
                      const at::Tensor& block_table, const at::Tensor& start, const at::Tensor& end, double scale,
                      int64_t n_split, const std::vector<c10::optional<at::Tensor>>& panels) {
-  const int64_t B = x.size(0), T = x.size(1), BT = B * T, H = w_uk.size(0), dh = w_uk.size(1), dc = w_uk.size(2), dr = kr_pool.size(-1);
+  const int64_t B = x.size(0), T = x.size(1), BT = B * T;
+  const int64_t H = w_uk.size(0), dh = w_uk.size(1), dc = w_uk.size(2), dr = kr_pool.size(-1);
   TORCH_CHECK(w_uv.dim() == 3 && w_uv.size(0) == H && w_uv.size(1) == dc && w_uv.size(2) == dh,
               "mla_block: W~^UK (h, d_h, d_c) and W~^UV (h, d_c, d_h)");
   TORCH_CHECK(panels.size() == 5, "mla_block: the panels (or None) of its 5 products");
