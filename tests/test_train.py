@@ -34,10 +34,10 @@ def quick(**kw):
     return TrainConfig(**{**base, **kw})
 
 
-def test_loss_falls_on_real_text():
+def test_loss_falls_on_real_text(tmp_path):
     data = prepare(
         shared_path("data", "english-mix"),
-        None,
+        tmp_path / "data",
         tokenizer=shared_path("tokenizers", "gpt2"),
         max_tokens=50_000,
         val_tokens=2_048,
