@@ -20,10 +20,14 @@
 #include <ATen/Parallel.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <atomic>
+#include <chrono>
+
 #include "decode_core.h"
 #include "few_rows.h"
 #include "few_rows_panels.h"
 #include "scratch.h"
+#include "steal.h"
 
 namespace {
 
@@ -121,20 +125,18 @@ at::Tensor run(const Job& J, const at::Tensor& q, const at::Tensor& q_rope, int6
     T* dst = o + (bg * R + r) * Dv;
     for (int64_t d = 0; d < Dv; ++d) dst[d] = acc[d] * inv;
   };
-  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t it = i0; it < i1; ++it) {
-      const int64_t sp = it % n_split, bg = it / n_split, b = bg / G, g = bg % G;
-      const int64_t a = first[b], e = J.end[b], len = std::max<int64_t>(e - a, 0);
-      const int64_t chunk = round_up((len + n_split - 1) / n_split, kTile);
-      const int64_t j0 = a + sp * chunk, j1 = std::min(e, j0 + chunk);
-      T* acc = pacc + it * Rp * Dvp;
-      std::fill(acc, acc + Rp * Dvp, T(0));  // here, not per call: in this thread's cache, where it is used
-      if (j0 < j1)
-        attend_range<T>(J, qpad + bg * Rp * J.Dkp, qrpad + bg * Rp * J.Drp, b, g, j0, j1, lo.data() + b * R,
-                        hi.data() + b * R, pm + it * Rp, pl + it * Rp, acc);
-      if (n_split == 1)  // nothing to merge: the item writes its rows of the output
-        for (int64_t r = 0; r < R; ++r) normalise(bg, r, acc + r * Dvp, pl[it * Rp + r]);
-    }
+  steal_for(items, [&](int64_t it) {
+    const int64_t sp = it % n_split, bg = it / n_split, b = bg / G, g = bg % G;
+    const int64_t a = first[b], e = J.end[b], len = std::max<int64_t>(e - a, 0);
+    const int64_t chunk = round_up((len + n_split - 1) / n_split, kTile);
+    const int64_t j0 = a + sp * chunk, j1 = std::min(e, j0 + chunk);
+    T* acc = pacc + it * Rp * Dvp;
+    std::fill(acc, acc + Rp * Dvp, T(0));  // here, not per call: in this thread's cache, where it is used
+    if (j0 < j1)
+      attend_range<T>(J, qpad + bg * Rp * J.Dkp, qrpad + bg * Rp * J.Drp, b, g, j0, j1, lo.data() + b * R,
+                      hi.data() + b * R, pm + it * Rp, pl + it * Rp, acc);
+    if (n_split == 1)  // nothing to merge: the item writes its rows of the output
+      for (int64_t r = 0; r < R; ++r) normalise(bg, r, acc + r * Dvp, pl[it * Rp + r]);
   });
   if (n_split == 1) return out;
   // merge the splits by log-sum-exp and normalise
@@ -262,6 +264,24 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return y;
 }
 
+// Which thread ran each of n items of steal_for (tests): -2 where an item ran more than once, -1 where never;
+// items [0, slow) each spin `us` microseconds, so that a thread with the others' runs done takes some of them.
+at::Tensor steal_for_threads(int64_t n, int64_t slow, double us) {
+  std::vector<std::atomic<int>> ran(n);
+  for (auto& r : ran) r.store(-1);
+  steal_for(n, [&](int64_t i) {
+    if (i < slow) {
+      const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double, std::micro>(us);
+      while (std::chrono::steady_clock::now() < until) {
+      }
+    }
+    if (ran[i].exchange(at::get_thread_num()) != -1) ran[i].store(-2);
+  });
+  auto out = at::empty({n}, at::kInt);
+  for (int64_t i = 0; i < n; ++i) out[i] = ran[i].load();
+  return out;
+}
+
 #if KVLM_AVX512
 #include "decode_block.h"  // on the few-row kernel's products
 #include "decode_stack.h"  // the blocks of a model in one call
@@ -272,6 +292,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "flash-decoding attention over a block-table cache (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last axis in one pass (CPU)");
+  m.def("steal_for_threads", &steal_for_threads, "which thread ran each item of steal_for (tests)");
 #if KVLM_AVX512
   m.def("gqa_block", &gqa_block, "one MHA / GQA decoder block at a few new tokens a sequence (AVX-512 CPU)");
   m.def("mla_block", &mla_block, "one absorbed-MLA decoder block at a few new tokens a sequence (AVX-512 CPU)");

@@ -11,7 +11,7 @@
 // EPYC, 268 MB of weights: at 1 row 1.02-1.07x faster than 16 rows side by side when the probe read ~50 GB/s and
 // 1.085-1.10x when it read ~80, at the probe's rate both times; at 2 rows 1.01-1.07x, at 3 rows 1.00-1.05x).
 // The blocks of 16 weight rows of all the weights of a call (q/k/v, gate/up: one input) are split over the threads
-// in one parallel loop, each thread streaming a contiguous run of them. From 4 rows on (compute-dense enough that
+// in one parallel loop, each thread streaming a contiguous run of them (steal.h: then the back of a slower one's). From 4 rows on (compute-dense enough that
 // the core's own window of misses no longer covers memory's latency) each weight row is prefetched twice: 32 KiB
 // ahead into L2 and 2 KiB ahead into L1. A prefetch into L1 holds one of the core's few L1 miss buffers until the
 // line arrives from memory, which caps a core's stream; into L2 it does not, and the near one then only moves lines
@@ -28,6 +28,8 @@
 #include <cstdint>
 #include <type_traits>
 #include <vector>
+
+#include "steal.h"
 
 namespace kvlm_decode {
 namespace few_rows {
@@ -165,14 +167,12 @@ inline at::Tensor linear(const at::Tensor& x, const std::vector<at::Tensor>& wei
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   if (M == 0) return y;
-  at::parallel_for(0, static_cast<int64_t>(blocks.size()), 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int i = blocks[b].first;
-      const int64_t n = blocks[b].second, rows = weights[i].size(0);
-      const auto& bias = biases[i];
-      const float* bp = bias.has_value() && bias->defined() ? bias->data_ptr<float>() : nullptr;
-      rows_block(xp, M, weights[i].data_ptr<float>(), K, n, std::min(rows, n + 16), yp + offset[i], N, bp);
-    }
+  steal_for(static_cast<int64_t>(blocks.size()), [&](int64_t b) {
+    const int i = blocks[b].first;
+    const int64_t n = blocks[b].second, rows = weights[i].size(0);
+    const auto& bias = biases[i];
+    const float* bp = bias.has_value() && bias->defined() ? bias->data_ptr<float>() : nullptr;
+    rows_block(xp, M, weights[i].data_ptr<float>(), K, n, std::min(rows, n + 16), yp + offset[i], N, bp);
   });
   return y;
 }
@@ -198,19 +198,18 @@ inline at::Tensor head_products(const at::Tensor& x, const at::Tensor& w) {
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, H * chunks, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<const char*> rows(std::max<int64_t>(K, 1));
+  steal_for(H * chunks, [&](int64_t i) {
+    thread_local std::vector<const char*> rows;
+    rows.resize(std::max<int64_t>(K, 1));
     const char* const* pl = nullptr;  // no prefetch list
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t h = i / chunks, z0 = (i % chunks) * 4;
-      for (int64_t k = 0; k < K; ++k) rows[k] = reinterpret_cast<const char*>(wp + (h * K + k) * N);
-      row_blocks<4>(M, [&](auto tag, int64_t r) {
-        constexpr int RB = decltype(tag)::value;
-        avx512::values_chunk<DType::f32, RB>(xp + h * sh + r * xs, xs, rows.data(), static_cast<int>(K), nv,
-                                             static_cast<__mmask16>(0xFFFF), z0, yp + (r * H + h) * N, H * N,
-                                             nullptr, pl, 0);
-      });
-    }
+    const int64_t h = i / chunks, z0 = (i % chunks) * 4;
+    for (int64_t k = 0; k < K; ++k) rows[k] = reinterpret_cast<const char*>(wp + (h * K + k) * N);
+    row_blocks<4>(M, [&](auto tag, int64_t r) {
+      constexpr int RB = decltype(tag)::value;
+      avx512::values_chunk<DType::f32, RB>(xp + h * sh + r * xs, xs, rows.data(), static_cast<int>(K), nv,
+                                           static_cast<__mmask16>(0xFFFF), z0, yp + (r * H + h) * N, H * N,
+                                           nullptr, pl, 0);
+    });
   });
   return y;
 }

@@ -17,6 +17,8 @@
 
 #include <algorithm>
 
+#include "steal.h"
+
 namespace kvlm_decode {
 namespace few_rows {
 
@@ -76,16 +78,14 @@ inline at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& p, int64_t
   const float* pp = p.data_ptr<float>();
   const float* bp = has_bias ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  // panels split over the threads: each thread streams a contiguous run of the copy
-  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t i = p0; i < p1; ++i) {
-      const int64_t n0 = i * kPanel;
-      const int nb = static_cast<int>(std::min<int64_t>(kPanel, N - n0));
-      row_blocks<8>(M, [&](auto tag, int64_t r) {  // past 8 rows the panel again, from L2
-        constexpr int RB = decltype(tag)::value;
-        panel_rows<RB>(xp + r, M, pp + i * kPanel * K, K, nb, yp + r * N + n0, N, bp ? bp + n0 : nullptr);
-      });
-    }
+  // panels split over the threads: each thread streams a contiguous run of the copy (then helps the slower one)
+  steal_for(panels, [&](int64_t i) {
+    const int64_t n0 = i * kPanel;
+    const int nb = static_cast<int>(std::min<int64_t>(kPanel, N - n0));
+    row_blocks<8>(M, [&](auto tag, int64_t r) {  // past 8 rows the panel again, from L2
+      constexpr int RB = decltype(tag)::value;
+      panel_rows<RB>(xp + r, M, pp + i * kPanel * K, K, nb, yp + r * N + n0, N, bp ? bp + n0 : nullptr);
+    });
   });
   return y;
 }

@@ -1,0 +1,67 @@
+// A parallel loop whose threads take over each other's unfinished work (the weight products of a decode step).
+//
+// at::parallel_for gives each thread one contiguous run of the items and waits for the slowest. A decode step
+// makes ~40 such calls of 0.1-0.5 ms, each streaming a few MB of weights; on a shared machine one core often
+// streams slower than the other for a while (another tenant on its memory path), and every call then waits for
+// it. Here each thread still starts on its own contiguous run, front to back (one sequential stream, as before);
+// a thread that finishes takes the items left at the back of the others' runs, one at a time, as llama.cpp's
+// threads take chunks of a matrix product from a shared counter. Measured on the Zen 4 EPYC, 2 threads, the same
+// model with the weight products and the attention kernel switched between the two loops call by call: decode
+// steps at batch 8 / 4096 cached tokens 1.00-1.05x faster than at::parallel_for's split when the machine read
+// ~34 GB/s, 1.05-1.08x (MHA, GQA-3) when it read ~58; the one-token step 1.00-1.03x.
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <vector>
+
+namespace kvlm_decode {
+
+// f(i) for every i in [0, n), each exactly once, over at::get_num_threads() threads (serially inside a parallel
+// region or for n < 2).
+template <typename F>
+inline void steal_for(int64_t n, F&& f) {
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  if (threads < 2 || at::in_parallel_region()) {
+    for (int64_t i = 0; i < n; ++i) f(i);
+    return;
+  }
+  // run t: items [front, back) packed as front << 32 | back; its owner takes the front, others the back
+  struct alignas(64) Run {
+    std::atomic<uint64_t> span;
+  };
+  std::vector<Run> runs(threads);
+  for (int64_t t = 0; t < threads; ++t)
+    runs[t].span.store(uint64_t(n * t / threads) << 32 | uint64_t(n * (t + 1) / threads), std::memory_order_relaxed);
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      for (;;) {  // own run, front to back
+        std::atomic<uint64_t>& s = runs[t].span;
+        uint64_t v = s.load(std::memory_order_relaxed), i;
+        do {
+          i = v >> 32;
+          if (i >= (v & 0xFFFFFFFFu)) break;
+        } while (!s.compare_exchange_weak(v, v + (uint64_t(1) << 32), std::memory_order_relaxed));
+        if (i >= (v & 0xFFFFFFFFu)) break;
+        f(static_cast<int64_t>(i));
+      }
+      for (int64_t k = 1; k < threads; ++k) {  // then the others', back to front
+        std::atomic<uint64_t>& s = runs[(t + k) % threads].span;
+        for (;;) {
+          uint64_t v = s.load(std::memory_order_relaxed), j;
+          do {
+            j = v & 0xFFFFFFFFu;
+            if ((v >> 32) >= j) break;
+          } while (!s.compare_exchange_weak(v, v - 1, std::memory_order_relaxed));
+          if ((v >> 32) >= (v & 0xFFFFFFFFu)) break;
+          f(static_cast<int64_t>(j - 1));
+        }
+      }
+    }
+  });
+}
+
+}  // namespace kvlm_decode
