@@ -8,7 +8,9 @@
 // threads take chunks of a matrix product from a shared counter. Measured on the Zen 4 EPYC, 2 threads, the same
 // model with the weight products and the attention kernel switched between the two loops call by call: decode
 // steps at batch 8 / 4096 cached tokens 1.00-1.05x faster than at::parallel_for's split when the machine read
-// ~34 GB/s, 1.05-1.08x (MHA, GQA-3) when it read ~58; the one-token step 1.00-1.03x.
+// ~34 GB/s; when it read ~58, MHA and GQA-3 1.05-1.08x, absorbed MLA 0.97x (compute-bound, even items: nothing
+// to take; the run before, in the slow state, 1.02-1.05x), batch 1 / 8192 0.99-1.06x; the one-token step
+// 1.00-1.03x.
 #pragma once
 
 #include <ATen/Parallel.h>
