@@ -19,7 +19,8 @@
 
 from kvlm.cache.contiguous import KVCache
 from kvlm.cache.layer import BlockView, CacheLayer, ContiguousLayer
-from kvlm.cache.paged import PagedBatch, PagedKVCache, PagedLayer
+from kvlm.cache.paged import PagedBatch, PagedKVCache
+from kvlm.cache.paged_layer import PagedLayer
 from kvlm.cache.pages import OutOfPages
 from kvlm.errors import CacheError
 
