@@ -43,6 +43,10 @@ constexpr int64_t kFarBytes = 32768, kNearBytes = 2048;  // into L2, into L1: fr
 // cached token 1.03-1.08x faster at batch 1 (weights read whole here, no software prefetch), level at batch 8,
 // where the prefetch into L2 below brings each line in first (an NTA prefetch instead: 0.76-0.81x). On write-back
 // memory a core may also treat it as an ordinary load (Intel's manual allows it): then nothing changes.
+// Only where a weight vector feeds one or two rows of x: in a loop that uses it for several rows (4 or 8 rows
+// side by side here, the panels at any row count) the Zen 4 EPYC issued them too slowly for the FMAs. One thread,
+// ordinary against non-temporal loads: 4 rows from memory 30.0 against 18.1 GB/s, the panels at 8 rows 24.5
+// against 10.1 (16 rows 12.7 against 5.1), and 1.6-2.4x in cache; at 1 row from memory 32.2 against 33.3.
 inline __m512 load_w(const float* p) {
   if ((reinterpret_cast<uintptr_t>(p) & 63) == 0)
     return _mm512_castsi512_ps(_mm512_stream_load_si512(const_cast<float*>(p)));
@@ -98,7 +102,7 @@ inline void block(const float* x, const float* w, int64_t K, int nb, float* y, i
   } else {  // 4 or 8 rows: the NB weight rows side by side, each weight vector used by all RB rows
     for (int64_t k = 0; k < K16; k += 16) {
       __m512 wv[NB];
-      for (int j = 0; j < NB; ++j) wv[j] = load_w(wr[j] + k);
+      for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_ps(wr[j] + k);  // not load_w: see above
       for (int j = 0; j < NB; ++j) {
         _mm_prefetch(reinterpret_cast<const char*>(wr[j] + k) + kFarBytes, _MM_HINT_T1);
         _mm_prefetch(reinterpret_cast<const char*>(wr[j] + k) + kNearBytes, _MM_HINT_T0);

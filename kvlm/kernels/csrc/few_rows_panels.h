@@ -33,8 +33,10 @@ inline void panel_rows(const float* xt, int64_t xs, const float* p, int64_t K, i
   for (int r = 0; r < RB; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     const float* pk = p + kPanel * k;
-    const __m512 w0 = avx512::in_register(load_w(pk));
-    const __m512 w1 = avx512::in_register(load_w(pk + 16));
+    // ordinary loads, not load_w's non-temporal ones: those cap a loop that uses each weight vector for several
+    // rows (few_rows.h, load_w)
+    const __m512 w0 = avx512::in_register(_mm512_loadu_ps(pk));
+    const __m512 w1 = avx512::in_register(_mm512_loadu_ps(pk + 16));
     _mm_prefetch(reinterpret_cast<const char*>(pk) + kFarBytes, _MM_HINT_T1);
     _mm_prefetch(reinterpret_cast<const char*>(pk + 16) + kFarBytes, _MM_HINT_T1);
     for (int r = 0; r < RB; ++r) {
