@@ -11,13 +11,14 @@
 // EPYC, 268 MB of weights: at 1 row 1.02-1.07x faster than 16 rows side by side when the probe read ~50 GB/s and
 // 1.085-1.10x when it read ~80, at the probe's rate both times; at 2 rows 1.01-1.07x, at 3 rows 1.00-1.05x).
 // The blocks of 16 weight rows of all the weights of a call (q/k/v, gate/up: one input) are split over the threads
-// in one parallel loop, each thread streaming a contiguous run of them (steal.h: then the back of a slower one's). From 4 rows on (compute-dense enough that
-// the core's own window of misses no longer covers memory's latency) each weight row is prefetched twice: 32 KiB
-// ahead into L2 and 2 KiB ahead into L1. A prefetch into L1 holds one of the core's few L1 miss buffers until the
-// line arrives from memory, which caps a core's stream; into L2 it does not, and the near one then only moves lines
-// from L2. Measured on the AMD EPYC at 8 rows (benchmarks/few_rows_gemm.py, interleaved): 1.35-1.48x faster than 16
-// KiB ahead into L1 alone while the machine streamed 55-60 GB/s, 1.05x while others held it at ~37 (a prefetch into
-// L1 alone was itself 1.3-1.6x faster than none); at 1-2 rows the hardware prefetchers alone are fastest.
+// in one parallel loop, each thread streaming a contiguous run of them (steal.h: then the back of a slower one's).
+// From 4 rows on (compute-dense enough that the core's own window of misses no longer covers memory's latency) each
+// weight row is prefetched twice: 32 KiB ahead into L2 and 2 KiB ahead into L1. A prefetch into L1 holds one of the
+// core's few L1 miss buffers until the line arrives from memory, which caps a core's stream; into L2 it does not,
+// and the near one then only moves lines from L2. Measured on the AMD EPYC at 8 rows (benchmarks/few_rows_gemm.py,
+// interleaved): 1.35-1.48x faster than 16 KiB ahead into L1 alone while the machine streamed 55-60 GB/s, 1.05x while
+// others held it at ~37 (a prefetch into L1 alone was itself 1.3-1.6x faster than none); at 1-2 rows the hardware
+// prefetchers alone are fastest.
 #pragma once
 
 #if KVLM_AVX512

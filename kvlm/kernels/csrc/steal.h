@@ -22,6 +22,20 @@
 
 namespace kvlm_decode {
 
+// Takes one item of a run [front, back), packed as front << 32 | back: its front (the owner) or its back (another
+// thread); false when the run is empty.
+inline bool take(std::atomic<uint64_t>& span, bool front, int64_t& item) {
+  uint64_t v = span.load(std::memory_order_relaxed);
+  for (;;) {
+    const uint64_t f = v >> 32, b = v & 0xFFFFFFFFu;
+    if (f >= b) return false;
+    if (span.compare_exchange_weak(v, front ? v + (uint64_t(1) << 32) : v - 1, std::memory_order_relaxed)) {
+      item = static_cast<int64_t>(front ? f : b - 1);
+      return true;
+    }
+  }
+}
+
 // f(i) for every i in [0, n), each exactly once, over at::get_num_threads() threads (serially inside a parallel
 // region or for n < 2).
 template <typename F>
@@ -31,37 +45,18 @@ inline void steal_for(int64_t n, F&& f) {
     for (int64_t i = 0; i < n; ++i) f(i);
     return;
   }
-  // run t: items [front, back) packed as front << 32 | back; its owner takes the front, others the back
-  struct alignas(64) Run {
+  struct alignas(64) Run {  // a cache line each: the owners' fronts do not contend
     std::atomic<uint64_t> span;
   };
   std::vector<Run> runs(threads);
   for (int64_t t = 0; t < threads; ++t)
     runs[t].span.store(uint64_t(n * t / threads) << 32 | uint64_t(n * (t + 1) / threads), std::memory_order_relaxed);
   at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    int64_t i;
     for (int64_t t = t0; t < t1; ++t) {
-      for (;;) {  // own run, front to back
-        std::atomic<uint64_t>& s = runs[t].span;
-        uint64_t v = s.load(std::memory_order_relaxed), i;
-        do {
-          i = v >> 32;
-          if (i >= (v & 0xFFFFFFFFu)) break;
-        } while (!s.compare_exchange_weak(v, v + (uint64_t(1) << 32), std::memory_order_relaxed));
-        if (i >= (v & 0xFFFFFFFFu)) break;
-        f(static_cast<int64_t>(i));
-      }
-      for (int64_t k = 1; k < threads; ++k) {  // then the others', back to front
-        std::atomic<uint64_t>& s = runs[(t + k) % threads].span;
-        for (;;) {
-          uint64_t v = s.load(std::memory_order_relaxed), j;
-          do {
-            j = v & 0xFFFFFFFFu;
-            if ((v >> 32) >= j) break;
-          } while (!s.compare_exchange_weak(v, v - 1, std::memory_order_relaxed));
-          if ((v >> 32) >= (v & 0xFFFFFFFFu)) break;
-          f(static_cast<int64_t>(j - 1));
-        }
-      }
+      while (take(runs[t].span, true, i)) f(i);  // own run, front to back
+      for (int64_t k = 1; k < threads; ++k)      // then the others', back to front
+        while (take(runs[(t + k) % threads].span, false, i)) f(i);
     }
   });
 }
