@@ -97,12 +97,7 @@ def make_case(name, H, G, latent, D, dR, store, B, S, T, seed=0):
         nbytes = 2 * k.numel() * 4
         flops = 2 * B * H * T * S * 2 * D
         args = (q, None, k, None, v, None, None, table, start, end, S, T, D**-0.5)
-    items = B * G
-    threads = torch.get_num_threads()
-    want = threads // __import__("math").gcd(items, threads)
-    n_split = (
-        want if want > 1 and S // want >= kernels.MIN_SPLIT_KEYS else 1
-    )  # what kvlm.kernels._splits picks
+    n_split = kernels.split_count(B * G, S, start, end)  # what kvlm.kernels._splits picks
     return args + (n_split,), flops, nbytes
 
 

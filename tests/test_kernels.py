@@ -561,3 +561,31 @@ def test_scratch_buffers_serve_calls_of_every_size_in_turn():
         ref = reference(q.reshape(B, 1, H * T, Dc), c[:, None], c[:, None], view.start, view.end, T, scale,
                         qr.reshape(B, 1, H * T, dR), kr).view(B, H, T, Dc)  # fmt: skip
         assert (out.double() - ref).abs().max().item() < 2e-5, (B, H, T, Dc)
+
+
+@pytest.mark.parametrize(
+    "items, keys, threads, pieces",
+    [
+        (1, 8192, 2, 4),  # one item a thread would leave a slower core nothing to hand over: 4 of 2048 keys
+        (2, 4096, 2, 2),  # 2 items already fill the threads; 4 pieces of 2048 keys balance them
+        (1, 4096, 2, 2),  # halves: quarters would be shorter than 2048 keys
+        (3, 8192, 2, 4),  # 3 KV heads: 6 items would do, 12 balance better at 2048 keys a piece
+        (8, 4096, 2, 1),  # 4 items a thread already
+        (12, 8192, 2, 1),
+        (1, 1000, 2, 1),  # halves shorter than MIN_SPLIT_KEYS: not split
+        (1, 8192, 1, 1),  # one thread: nothing to balance, a split only costs its merge
+        (1, 8192, 3, 3),  # thirds: sixths would be shorter than 2048 keys
+    ],
+)
+def test_split_count_balances_threads_with_long_pieces(items, keys, threads, pieces):
+    """The key axis is split so that each thread has items to hand over (csrc/steal.h), never into pieces shorter
+    than 2048 keys for that alone, and the items stay a multiple of the threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        zero = torch.zeros(1, dtype=torch.int32)
+        got = kernels.split_count(items, keys, zero, zero)
+    finally:
+        torch.set_num_threads(before)
+    assert got == pieces
+    assert (items * got) % threads == 0 or got == 1
