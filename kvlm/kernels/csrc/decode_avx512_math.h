@@ -8,34 +8,28 @@ namespace kvlm_decode {
 namespace avx512 {
 
 // 16 vectors -> one vector whose lane i is the sum of the lanes of a[i]: four levels of "add the two halves of
-// each pair" (30 two-source permutes, 15 adds) instead of 16 horizontal sums of ~8 steps each.
+// each pair" (30 shuffles, 15 adds) instead of 16 horizontal sums of ~8 steps each. The first two levels move
+// 128-bit chunks (vshuff32x4), the last two lanes within chunks (vshufps): on the Zen 4 EPYC MLA's attention
+// kernel ran 1.02-1.06x faster than with two-source lane permutes (vpermt2ps) at every level (benchmarks/
+// decode-limit.md), and without any shuffles (a wrong sum, for the bound) 1.06-1.08x.
 inline __m512 tree16(const __m512 (&a)[16]) {
-  // after level k the partial sums of vector i sit in lanes whose index has bit (3 - k) equal to i's; inputs in
-  // bit-reversed order make lane i of the result the sum of a[i]
-  static constexpr int rev[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
-  const __m512i lo1 = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
-  const __m512i hi1 = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  const __m512i lo2 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
-  const __m512i hi2 = _mm512_setr_epi32(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
-  const __m512i lo3 = _mm512_setr_epi32(0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
-  const __m512i hi3 = _mm512_setr_epi32(2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-  const __m512i lo4 = _mm512_setr_epi32(0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
-  const __m512i hi4 = _mm512_setr_epi32(1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-  __m512 u[8], w[4], z[2];
-#pragma GCC unroll 16
-  for (int i = 0; i < 8; ++i) {
-    const __m512 x = a[rev[2 * i]], y = a[rev[2 * i + 1]];
-    u[i] = _mm512_add_ps(_mm512_permutex2var_ps(x, lo1, y), _mm512_permutex2var_ps(x, hi1, y));
+  // after the chunk levels, chunk c of w[k] holds 4 partial sums of one input; inputs in this order make lane i
+  // of the result the sum of a[i]
+  static constexpr int ord[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+  __m512 u[8], w[4], t[2];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {  // chunks [x0 + x2, x1 + x3, y0 + y2, y1 + y3]
+    const __m512 x = a[ord[2 * i]], y = a[ord[2 * i + 1]];
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
   }
 #pragma GCC unroll 4
-  for (int i = 0; i < 4; ++i)
-    w[i] = _mm512_add_ps(_mm512_permutex2var_ps(u[2 * i], lo2, u[2 * i + 1]),
-                         _mm512_permutex2var_ps(u[2 * i], hi2, u[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // chunks [x, y, z, v]: one input's 4 partial sums each
+    w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(u[2 * i], u[2 * i + 1], 0xDD));
 #pragma GCC unroll 2
-  for (int i = 0; i < 2; ++i)
-    z[i] = _mm512_add_ps(_mm512_permutex2var_ps(w[2 * i], lo3, w[2 * i + 1]),
-                         _mm512_permutex2var_ps(w[2 * i], hi3, w[2 * i + 1]));
-  return _mm512_add_ps(_mm512_permutex2var_ps(z[0], lo4, z[1]), _mm512_permutex2var_ps(z[0], hi4, z[1]));
+  for (int i = 0; i < 2; ++i)  // within each chunk: pairs of adjacent lanes
+    t[i] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * i], w[2 * i + 1], 0x88), _mm512_shuffle_ps(w[2 * i], w[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_ps(t[0], t[1], 0x88), _mm512_shuffle_ps(t[0], t[1], 0xDD));
 }
 
 // v as it is, which the compiler must then hold in a register: a vector loaded once and used by several FMAs is
