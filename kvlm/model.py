@@ -382,7 +382,11 @@ class KVLM(nn.Module):
                 tokens.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
             ):
                 return
-        lo, hi = torch.stack(torch.aminmax(tokens)).tolist()  # one read-back, not two
+        if tokens.device.type == "cpu" and 0 < tokens.numel() <= 64:  # a decode step's few ids: one call, not three
+            ids = tokens.view(-1).tolist() if tokens.is_contiguous() else tokens.reshape(-1).tolist()
+            lo, hi = min(ids), max(ids)
+        else:
+            lo, hi = torch.stack(torch.aminmax(tokens)).tolist()  # one read-back, not two
         vocab = self.cfg.vocab_size
         if lo < 0 or hi >= vocab:
             bad = lo if lo < 0 else hi

@@ -122,6 +122,19 @@ def test_token_id_outside_vocab(model, bad):
     assert f"token id {bad}" in str(e.value) and "50" in str(e.value)
 
 
+@pytest.mark.parametrize("shape", ["long", "strided"])
+def test_token_id_outside_vocab_in_many_or_strided_ids(model, shape):
+    """Both ways of reading the ids back: over 64 ids (one reduction) and a few in a strided view (a list)."""
+    if shape == "long":
+        tokens = torch.ones(3, 30, dtype=torch.long)
+        tokens[2, 17] = 61
+    else:
+        tokens = torch.tensor([[1, 2], [3, 61]]).t()
+        assert not tokens.is_contiguous()
+    with pytest.raises(ValueError, match="token id 61"):
+        model(tokens)
+
+
 def test_token_id_outside_vocab_with_cache(model):
     cache = model.new_cache(1, 16)
     with pytest.raises(ValueError, match="token id 77"):
