@@ -305,5 +305,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("add_mla", &BlockStack::add_mla)
       .def("run", &BlockStack::run)
       .def("__len__", [](const BlockStack& s) { return s.layers.size(); });
+#ifdef KVLM_SECTION_TIMES
+  m.def("section_times", []() {
+    std::vector<double> v(std::begin(section_seconds), std::end(section_seconds));
+    std::fill(std::begin(section_seconds), std::end(section_seconds), 0.0);
+    return v;
+  }, "seconds in each part of the blocks since the last call (KVLM_SECTION_TIMES builds)");
+#endif
 #endif
 }

@@ -12,6 +12,27 @@
 // compute the same; kvlm.kernels.gqa_block_call checks what this takes). Included by decode.cpp inside its
 // anonymous namespace, after decode_attention and rms_norm.
 
+// Build knob for measuring only (benchmarks/step_sections.py): KVLM_SECTION_TIMES adds each part's wall time
+// to section_seconds (by part, as listed below), read and cleared by the extension's section_times().
+#ifdef KVLM_SECTION_TIMES
+inline double section_seconds[10] = {0};
+inline double section_clock() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+#define SECTION_START double section_t0 = section_clock();
+#define SECTION(i)                                  \
+  {                                                 \
+    const double section_t1 = section_clock();      \
+    section_seconds[i] += section_t1 - section_t0;  \
+    section_t0 = section_t1;                        \
+  }
+#else
+#define SECTION_START
+#define SECTION(i)
+#endif
+// the parts: 0 norm + input product, 1 RoPE / latent norm / cache write, 2 W~^UK, 3 attention, 4 W~^UV,
+// 5 W^O + residual, 6 norm + W_1, W_2, 7 SiLU gate, 8 W_O of the MLP, 9 residual
+
 // The new tokens' K or V rows, (B, T, G, D) at row stride `rs` of `src` (row b T + t), into the pool
 // (N, G, P, D): token t of sequence b at slot end_b - T + t, where the attention kernel reads its T new tokens
 // (its block table). (A latent's pool (N, P, D) has no group axis: G = 1.)
@@ -95,15 +116,20 @@ inline at::Tensor swiglu_residual(const at::Tensor& x1, const at::Tensor& mlp_no
                                   const c10::optional<at::Tensor>& down_panels) {
   const int64_t rows = x1.size(0) * x1.size(1), F = w_up[0].size(0);
   TORCH_CHECK(w_up[1].size(0) == F, "decode block: W_1 and W_2 must have as many rows");
+  SECTION_START
   auto up = product(rms_norm(x1, mlp_norm, eps), w_up, up_panels);  // (B, T, 2F): [h W_1^T, h W_2^T]
+  SECTION(6)
   auto u = at::empty({x1.size(0), x1.size(1), F}, x1.options());
   const float* upp = up.data_ptr<float>();
   float* uptr = u.data_ptr<float>();
   for (int64_t r = 0; r < rows; ++r) silu_gate(upp + r * 2 * F, upp + r * 2 * F + F, uptr + r * F, F);
+  SECTION(7)
   auto y = product(u, {w_down}, down_panels);
+  SECTION(8)
   float* yp = y.data_ptr<float>();
   const float* x1p = x1.data_ptr<float>();
   for (int64_t i = 0; i < x1.numel(); ++i) yp[i] += x1p[i];
+  SECTION(9)
   return y;
 }
 
@@ -152,20 +178,25 @@ at::Tensor gqa_block(const at::Tensor& x, const at::Tensor& attn_norm, const at:
   const int64_t max_blocks = table.size(1);
   const int64_t row = (H + 2 * G) * D;
 
+  SECTION_START
   auto qkv = product(rms_norm(x, attn_norm, eps), w_qkv, panels[0]);  // (B, T, (H + 2G) D)
+  SECTION(0)
   float* qkvp = qkv.data_ptr<float>();
   for (int64_t r = 0; r < B * T; ++r) rope_rows(qkvp + r * row, H + G, D, D, cos.data_ptr<float>() + r * D,
                                                 sin.data_ptr<float>() + r * D);  // q's heads and k's, adjacent
   store_new_tokens(qkvp + H * D, row, k_pool, tp, max_blocks, ep, B, T, G, D);
   store_new_tokens(qkvp + (H + G) * D, row, v_pool, tp, max_blocks, ep, B, T, G, D);
+  SECTION(1)
 
   // queries (B, G, R T, D), a group's rows head by head, each head's T tokens in order (kvlm.kernels.gqa_decode):
   // at one token a view of the product's rows (the kernel copies its rows in any stride), else a small copy
   auto q = qkv.view({B, T, H + 2 * G, D}).narrow(2, 0, H).view({B, T, G, R, D}).permute({0, 2, 3, 1, 4});
   auto o = decode_attention(q.reshape({B, G, R * T, D}), c10::nullopt, k_pool, c10::nullopt, v_pool, c10::nullopt,
                             c10::nullopt, table, start, en, P, T, scale, n_split);  // (B, G, R T, D)
+  SECTION(3)
   auto o_rows = o.view({B, G, R, T, D}).permute({0, 3, 1, 2, 4}).reshape({B, T, H * D});  // heads in order
   auto x1 = add_residual(product(o_rows, {w_o}, panels[1]), x);
+  SECTION(5)
   return swiglu_residual(x1, mlp_norm, eps, w_up, w_down, panels[2], panels[3]);
 }
 
@@ -203,10 +234,12 @@ at::Tensor mla_block(const at::Tensor& x, const at::Tensor& attn_norm, const at:
   const int64_t qw = H * (dh + dr), row = qw + dc + dr;
 
   // (B, T, h (d_h + d_R) + d_c + d_R): W^Q and W^DKV as one product on the plain weights, else one each
+  SECTION_START
   const auto h = rms_norm(x, attn_norm, eps);
   const bool plain = !(panels[0].has_value() && panels[0]->defined()) && !(panels[1].has_value() && panels[1]->defined());
   auto qkv = plain ? product(h, {w_q, w_kv_a}, c10::nullopt)
                    : at::cat({product(h, {w_q}, panels[0]), product(h, {w_kv_a}, panels[1])}, -1);
+  SECTION(0)
   float* p = qkv.data_ptr<float>();
   auto c_kv = at::empty({BT, dc}, x.options());
   float* cp = c_kv.data_ptr<float>();
@@ -226,19 +259,24 @@ at::Tensor mla_block(const at::Tensor& x, const at::Tensor& attn_norm, const at:
   }
   store_new_tokens(cp, dc, ckv_pool, tp, max_blocks, ep, B, T, 1, dc);
   store_new_tokens(p + qw + dc, row, kr_pool, tp, max_blocks, ep, B, T, 1, dr);
+  SECTION(1)
 
   // the attention's rows (B, 1, h T, .): head by head, each head's T tokens in order (kvlm.kernels.latent_decode);
   // at one token views, else small copies
   auto q = qkv.view({BT, row}).narrow(1, 0, qw).view({BT, H, dh + dr});
   auto q_lat = few_rows::head_products(q.narrow(2, 0, dh).transpose(0, 1), w_uk);  // (B T, h, d_c)
+  SECTION(2)
   auto heads_first = [&](const at::Tensor& t) {  // (B T, h, w) -> (B, 1, h T, w)
     return t.view({B, T, H, t.size(-1)}).transpose(1, 2).reshape({B, 1, H * T, t.size(-1)});
   };
   auto pool = ckv_pool.unsqueeze(1);
   auto z = decode_attention(heads_first(q_lat), heads_first(q.narrow(2, dh, dr)), pool, c10::nullopt, pool,
                             c10::nullopt, kr_pool, table, start, en, P, T, scale, n_split);  // (B, 1, h T, d_c)
+  SECTION(3)
   auto z_heads = z.view({B, H, T, dc}).transpose(0, 1).reshape({H, BT, dc});  // (h, B T, d_c)
   auto o = few_rows::head_products(z_heads, w_uv);  // (B T, h, d_h)
+  SECTION(4)
   auto x1 = add_residual(product(o.view({B, T, H * dh}), {w_o}, panels[2]), x);
+  SECTION(5)
   return swiglu_residual(x1, mlp_norm, eps, w_up, w_down, panels[3], panels[4]);
 }
