@@ -66,15 +66,16 @@ def _interleaved(calls: dict, reps: int) -> dict:
     return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
 
 
-def short_step(spec: str, batch: int, shape: dict):
-    """(cfg, model ready for inference, its decode mode, a cache holding 1 token, next tokens) for ``spec``."""
+def short_step(spec: str, batch: int, shape: dict, context: int = 1):
+    """(cfg, model ready for inference, its decode mode, a cache holding ``context`` tokens, next tokens) for
+    ``spec``."""
     _, cfg = parse_variant(spec, shape)
-    cfg = cfg.replace(max_seq_len=64)
+    cfg = cfg.replace(max_seq_len=max(64, context + 8))
     torch.manual_seed(0)
     model = build_model(cfg).eval().prepare_for_inference()
     mode = "absorbed" if spec.startswith("mla") else "auto"
-    cache = model.new_cache(batch, 32)
-    cache.fill_random_(1, cfg.vocab_size)
+    cache = model.new_cache(batch, max(32, context + 8))
+    cache.fill_random_(context, cfg.vocab_size)
     return cfg, model, mode, cache, torch.randint(0, cfg.vocab_size, (batch, 1))
 
 

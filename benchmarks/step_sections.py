@@ -20,13 +20,11 @@ import statistics
 import time
 
 import torch
-from step_overhead import QUICK, SHAPE, VARIANTS, VARIANTS_QUICK  # this folder
+from step_overhead import QUICK, SHAPE, VARIANTS, VARIANTS_QUICK, short_step  # this folder
 from torch.utils.cpp_extension import load
 
-from kvlm.bench.plan import parse_variant
 from kvlm.inference.generation import packs_for
 from kvlm.kernels import cpu
-from kvlm.model import build_model
 
 PARTS = ["norm + input product", "RoPE, latent norm, cache write", "q W~^UK (MLA)", "attention", "z W~^UV (MLA)",
          "W^O + residual", "norm + W_1, W_2", "SiLU gate", "W_O of the MLP", "residual"]  # fmt: skip
@@ -41,17 +39,10 @@ def timed_extension():
 
 
 def case(spec: str, batch: int, context: int, shape: dict, steps: int, ext) -> dict:
-    _, cfg = parse_variant(spec, shape)
-    cfg = cfg.replace(max_seq_len=context + 64)
-    torch.manual_seed(0)
-    model = build_model(cfg).eval().prepare_for_inference()
-    mode = "absorbed" if spec.startswith("mla") else "auto"
-    cache = model.new_cache(batch, context + 8)
-    cache.fill_random_(context, cfg.vocab_size)
+    cfg, model, mode, cache, tok = short_step(spec, batch, shape, context)
     layout = packs_for(model, batch)
     if layout is not None:
         model.pack_for_decode(layout)
-    tok = torch.randint(0, cfg.vocab_size, (batch, 1))
     h = torch.randn(batch, 1, cfg.d_model)
 
     def step():

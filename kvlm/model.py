@@ -383,7 +383,7 @@ class KVLM(nn.Module):
             ):
                 return
         if tokens.device.type == "cpu" and 0 < tokens.numel() <= 64:  # a decode step's few ids: one call, not three
-            ids = tokens.view(-1).tolist() if tokens.is_contiguous() else tokens.reshape(-1).tolist()
+            ids = tokens.reshape(-1).tolist()  # a view where it can be
             lo, hi = min(ids), max(ids)
         else:
             lo, hi = torch.stack(torch.aminmax(tokens)).tolist()  # one read-back, not two
