@@ -47,11 +47,11 @@ from kvlm.attention.watch import version as _version
 from kvlm.kernels.few_rows import (
     FEW_ROWS,
     MAX_ROWS,
-    few_rows_available,
     few_rows_fit,
     few_rows_linear,
     pack_panels,
     panel_product,
+    panels_available,
 )
 from kvlm.kernels.library import packed_linear, register_packed
 
@@ -65,9 +65,9 @@ PANEL_MIN_ROWS = 2
 
 def packing_available(rows: int | str) -> bool:
     """Whether this torch build has the library behind ``pack_for_decode(rows)``: MKL for a fixed row count,
-    oneDNN for ``ANY_ROWS``, the few-row kernel (AVX-512, kernels built) for ``PANELS``."""
+    oneDNN for ``ANY_ROWS``, the few-row kernel's panels (AVX-512, kernels built) for ``PANELS``."""
     if rows == PANELS:
-        return few_rows_available()
+        return panels_available()
     if rows == ANY_ROWS:
         return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
@@ -117,7 +117,8 @@ def fastest_packing(weight: torch.Tensor, rows: int, rounds: int = 5) -> int | s
             w = weight.detach().contiguous()
             x = torch.randn(rows, w.shape[1], dtype=w.dtype)
             arms: dict = {None: lambda: _unpacked_product(x, w, None, count=False)}
-            few = rows <= FEW_ROWS and few_rows_available()
+            # up to 8 rows the AVX-512 kernel (it has panels) was ahead of the libraries; the AVX2 one races them
+            few = rows <= FEW_ROWS and panels_available()
             for layout in (PANELS,) if few else (rows, ANY_ROWS, PANELS):
                 if packing_available(layout) and _applies(layout, rows) and (layout != PANELS or rows >= PANEL_MIN_ROWS):
                     packed = _reorder(w, layout)

@@ -107,6 +107,10 @@ def few_rows_available():
     return False
 
 
+def panels_available():
+    return False
+
+
 def few_rows_fit(x, first=True):
     return False
 

@@ -1,5 +1,5 @@
 """Decode's weight products at a few rows on CPU: ``few_rows_linear`` runs [x W_1^T + b_1, ...] through the
-few-row kernel (csrc/few_rows.h, AVX-512), which reads each plain float32 weight once for all rows of x;
+few-row kernel (csrc/few_rows.h; AVX-512, or AVX2 + FMA), which reads each plain float32 weight once for all rows of x;
 ``few_rows_head_matmul`` runs absorbed MLA's per-head products x_h W_h the same way.
 
 Decode multiplies batch x new-token rows by every weight, so its time is the time to read them. Streaming the
@@ -55,9 +55,21 @@ def _plain(t: torch.Tensor) -> bool:
 
 
 def few_rows_available() -> bool:
-    """Whether this machine has the kernel: the extension built (kernels enabled) on an AVX-512 CPU."""
+    """Whether this machine has the kernel: the extension built (kernels enabled) on an AVX-512 or AVX2 + FMA CPU."""
     ext = extension()
     return ext is not None and hasattr(ext, "few_rows_linear")
+
+
+def panels_available() -> bool:
+    """Whether this machine has the kernel on panels (``pack_panels``; AVX-512 only)."""
+    ext = extension()
+    return ext is not None and hasattr(ext, "panel_linear")
+
+
+def head_products_available() -> bool:
+    """Whether this machine has the per-head products (``few_rows_head_matmul``; AVX-512 only)."""
+    ext = extension()
+    return ext is not None and hasattr(ext, "head_products")
 
 
 def few_rows_linear(
@@ -70,8 +82,8 @@ def few_rows_linear(
     """[x W_1^T + b_1, ..., x W_n^T + b_n] concatenated on the last axis (x (..., K), W_i (N_i, K)) by the
     few-row kernel, or None where it does not apply: other shapes or dtypes (``few_rows_fit``: up to ``FEW_ROWS``
     rows when ``first``, else ``MAX_ROWS``), weights or biases not plain contiguous float32 CPU tensors, autograd recording,
-    under torch.compile (the operator ``kvlm::packed_linear`` calls this when it runs), kernels disabled or no
-    AVX-512. ``count``: add its FLOPs to the kernels' running total (torch's FLOP counter does not see the
+    under torch.compile (the operator ``kvlm::packed_linear`` calls this when it runs), kernels disabled or neither
+    AVX-512 nor AVX2. ``count``: add its FLOPs to the kernels' running total (torch's FLOP counter does not see the
     extension)."""
     # every weight and bias checked in one loop each, no generator, and the leading axes kept in C++: a decode
     # step makes ~30 of these calls, and their Python is part of its cost (~4.5 us a call, 1.8 of it the kernel)
@@ -144,7 +156,7 @@ def panel_product(
     x: torch.Tensor, panels: torch.Tensor, n: int, bias: torch.Tensor | None, count: bool = True
 ) -> torch.Tensor:
     """x W^T + b from W's panels (``pack_panels``; n: W's rows) by the kernel, which must be available (the caller,
-    ``kvlm.attention.linear``, packs only where ``few_rows_available``): float32 CPU tensors, no autograd.
+    ``kvlm.attention.linear``, packs only where ``panels_available``): float32 CPU tensors, no autograd.
     ``count``: add its FLOPs to the kernels' running total."""
     if count:
         count_flops("linear", 2 * x.numel() * n)

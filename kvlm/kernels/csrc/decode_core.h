@@ -10,7 +10,7 @@
 #include <type_traits>
 #include <vector>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -46,6 +46,20 @@ inline float e4m3_to_float(uint8_t b) {
 #endif
 #endif
 constexpr int kVecBytes = KVLM_VEC_BYTES;
+// AVX2 with FMA and no AVX-512 (Zen 2 / 3, Intel's client CPUs and its servers before Skylake-SP): 16 vector
+// registers of 8 floats. The few-row weight products have a micro-kernel of their own there (few_rows_avx2.h);
+// attention takes the portable path below with row blocks of at most 2 (kMaxRowBlock) and tree8's sums.
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__) && KVLM_VEC_BYTES == 32 && !defined(KVLM_NO_AVX2)
+#define KVLM_AVX2 1
+#else
+#define KVLM_AVX2 0
+#endif
+// The largest block of query rows the portable score and value loops hold in registers: 4 rows x 4 keys (or
+// value vectors) are 16 accumulators, which with the keys and a query fit AVX-512's 32 registers, not AVX2's 16.
+#ifndef KVLM_MAX_ROW_BLOCK
+#define KVLM_MAX_ROW_BLOCK (KVLM_AVX2 ? 2 : 4)
+#endif
+constexpr int kMaxRowBlock = KVLM_MAX_ROW_BLOCK;
 constexpr int kTile = 32;      // the largest key tile; splits of the key axis are multiples of it
 
 template <typename T>
@@ -216,6 +230,34 @@ inline void store_sums<float, 4>(Vec<float>::type (&a)[4][4], float scale, float
 }
 #endif
 
+#if KVLM_AVX2
+namespace avx2 {
+// 8 vectors -> their 8 lane sums in one vector: two levels of horizontal adds leave the sums of each vector's
+// two 128-bit halves side by side, one add across the halves finishes them (7 instructions for 8 sums).
+inline __m256 tree8(const __m256 (&a)[8]) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // halves of a0..a3, of a4..a7
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+}  // namespace avx2
+
+// 2 rows x 4 keys of scores in one tree8; 1 row x 4 keys in two levels of horizontal adds
+template <>
+inline void store_sums<float, 2>(Vec<float>::type (&a)[2][4], float scale, float* s, int stride) {
+  const __m256(&v)[8] = reinterpret_cast<const __m256(&)[8]>(a);
+  const __m256 f = _mm256_mul_ps(avx2::tree8(v), _mm256_set1_ps(scale));
+  _mm_storeu_ps(s, _mm256_castps256_ps128(f));
+  _mm_storeu_ps(s + stride, _mm256_extractf128_ps(f, 1));
+}
+template <>
+inline void store_sums<float, 1>(Vec<float>::type (&a)[1][4], float scale, float* s, int) {
+  const __m256(&v)[4] = reinterpret_cast<const __m256(&)[4]>(a);
+  const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  _mm_storeu_ps(s, _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)), _mm_set1_ps(scale)));
+}
+#endif
+
 // scores s[x][y] = scale (q_x . k_y + qr_x . kr_y) for RB rows x and 4 keys y.
 template <typename T, int RB>
 inline void score_block(const T* const* q, const T* const* qr, const T* const* kp, const T* const* krp, int64_t Dk,
@@ -320,7 +362,7 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
   constexpr int L = Vec<T>::L;
   constexpr int VT = TILE / L;  // vectors per tile row of scores
   const int64_t R = J.R, Dkp = J.Dkp, Dvp = J.Dvp, Drp = J.Drp;
-  const int RB = R >= 4 ? 4 : (R >= 2 ? 2 : 1);
+  const int RB = R >= 4 && kMaxRowBlock >= 4 ? 4 : (R >= 2 ? 2 : 1);
   const int64_t Rb = (R + RB - 1) / RB * RB;  // rows rounded to the row block (extra rows are zero queries)
   std::vector<V> kbuf_v(TILE * Dkp / L + 1), vbuf_v(TILE * Dvp / L + 1), krbuf_v(TILE * Drp / L + 1),
       zero_v(std::max({Dkp, Dvp, Drp}) / L + 1), s_v(Rb * VT);

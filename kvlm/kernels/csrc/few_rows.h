@@ -1,5 +1,5 @@
-// The weight products of decode at a few rows, y = x W^T (+ b), on the plain (N, K) float32 weight (AVX-512
-// only; kvlm.kernels.few_rows_linear, used by kvlm.attention.linear.Linear up to Linear.few_rows rows).
+// The weight products of decode at a few rows, y = x W^T (+ b), on the plain (N, K) float32 weight (AVX-512, or
+// AVX2 + FMA through few_rows_avx2.h's micro-kernel; kvlm.kernels.few_rows_linear, used by kvlm.attention.linear.Linear up to Linear.few_rows rows).
 //
 // Decode multiplies batch x new-token rows (1-8) by every weight, so its time is the time to read the weights.
 // BLAS libraries handle these shapes as a matrix-vector product or pack for a wide GEMM, and on some CPUs stream
@@ -21,7 +21,7 @@
 // prefetchers alone are fastest.
 #pragma once
 
-#if KVLM_AVX512
+#if KVLM_AVX512 || KVLM_AVX2
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -35,7 +35,25 @@
 namespace kvlm_decode {
 namespace few_rows {
 
-constexpr int64_t kFarBytes = 32768, kNearBytes = 2048;  // into L2, into L1: from 4 rows on
+#ifndef KVLM_FEW_FAR  // build knobs for measuring: the prefetch distances
+#define KVLM_FEW_FAR 32768
+#define KVLM_FEW_NEAR 2048
+#endif
+constexpr int64_t kFarBytes = KVLM_FEW_FAR, kNearBytes = KVLM_FEW_NEAR;  // into L2, into L1: from 4 rows on
+#ifndef KVLM_FEW_MAX_RB  // build knob for measuring: the largest row block (8 or 4)
+#define KVLM_FEW_MAX_RB 8
+#endif
+
+}  // namespace few_rows
+}  // namespace kvlm_decode
+
+#if KVLM_AVX2
+#include "few_rows_avx2.h"  // load_w, block<RB> and kBlockOut for AVX2
+#else
+namespace kvlm_decode {
+namespace few_rows {
+
+constexpr int kBlockOut = 16;  // outputs of one micro-kernel call
 
 // A weight vector, loaded non-temporally where 64-byte aligned (vmovntdqa; the unaligned rest as usual). A step
 // streams ~250 MB of weights through the caches in ~25 products; between them its norms, RoPE, cache writes and
@@ -52,18 +70,6 @@ inline __m512 load_w(const float* p) {
   if ((reinterpret_cast<uintptr_t>(p) & 63) == 0)
     return _mm512_castsi512_ps(_mm512_stream_load_si512(const_cast<float*>(p)));
   return _mm512_loadu_ps(p);
-}
-
-// f(std::integral_constant<int, RB>(), r) for row blocks [r, r + RB) covering M rows: RB = MAX as often as it
-// fits, then 4 (where MAX > 4), 2 and 1 once each at most, so that each block size is a compile-time constant.
-template <int MAX, typename F>
-inline void row_blocks(int64_t M, F&& f) {
-  int64_t r = 0;
-  for (; M - r >= MAX; r += MAX) f(std::integral_constant<int, MAX>(), r);
-  if constexpr (MAX > 4)
-    if (M - r >= 4) f(std::integral_constant<int, 4>(), r), r += 4;
-  if (M - r >= 2) f(std::integral_constant<int, 2>(), r), r += 2;
-  if (M - r >= 1) f(std::integral_constant<int, 1>(), r);
 }
 
 // y[r * ys + j] = x_r . w_j (+ bias[j]) for the RB rows x_r of x (stride K) and the nb <= 16 / RB weight rows
@@ -128,11 +134,30 @@ inline void block(const float* x, const float* w, int64_t K, int nb, float* y, i
     for (int j = 0; j < nb; ++j) y[r * ys + j] = s[r * NB + j] + (bias ? bias[j] : 0.0f);
 }
 
+}  // namespace few_rows
+}  // namespace kvlm_decode
+#endif
+
+namespace kvlm_decode {
+namespace few_rows {
+
+// f(std::integral_constant<int, RB>(), r) for row blocks [r, r + RB) covering M rows: RB = MAX as often as it
+// fits, then 4 (where MAX > 4), 2 and 1 once each at most, so that each block size is a compile-time constant.
+template <int MAX, typename F>
+inline void row_blocks(int64_t M, F&& f) {
+  int64_t r = 0;
+  for (; M - r >= MAX; r += MAX) f(std::integral_constant<int, MAX>(), r);
+  if constexpr (MAX > 4)
+    if (M - r >= 4) f(std::integral_constant<int, 4>(), r), r += 4;
+  if (M - r >= 2) f(std::integral_constant<int, 2>(), r), r += 2;
+  if (M - r >= 1) f(std::integral_constant<int, 1>(), r);
+}
+
 // The 16 weight rows [n0, n1) of one weight against every row of x (M rows), by row blocks of 8, 4, 2, 1.
 inline void rows_block(const float* x, int64_t M, const float* w, int64_t K, int64_t n0, int64_t n1, float* y,
                        int64_t ys, const float* bias) {
-  row_blocks<8>(M, [&](auto tag, int64_t r) {
-    constexpr int RB = decltype(tag)::value, NB = 16 / RB;
+  row_blocks<KVLM_FEW_MAX_RB>(M, [&](auto tag, int64_t r) {
+    constexpr int RB = decltype(tag)::value, NB = kBlockOut / RB;
     for (int64_t n = n0; n < n1; n += NB)
       block<RB>(x + r * K, w + n * K, K, static_cast<int>(std::min<int64_t>(NB, n1 - n)), y + r * ys + n, ys,
                 bias ? bias + n : nullptr);
@@ -187,6 +212,7 @@ inline at::Tensor linear(const at::Tensor& x, const std::vector<at::Tensor>& wei
 // model keeps it (N a multiple of 16); y (M, H, N). Outer-product form, the attention kernel's value micro-kernel
 // (avx512::values_chunk: rows of x broadcast against rows of W, 4 x 4 output vectors in registers), so each W_h
 // is read once for all M rows and no transposed copy is kept. Work items are (head, 64 output columns).
+#if KVLM_AVX512  // on the attention kernel's AVX-512 value micro-kernel
 inline at::Tensor head_products(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 3 && w.dim() == 3 && x.size(0) == w.size(0) && x.size(2) == w.size(1),
               "head_products: x (H, M, K) and w (H, K, N)");
@@ -218,6 +244,7 @@ inline at::Tensor head_products(const at::Tensor& x, const at::Tensor& w) {
   });
   return y;
 }
+#endif
 
 }  // namespace few_rows
 }  // namespace kvlm_decode

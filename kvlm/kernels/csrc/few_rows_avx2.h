@@ -1,0 +1,88 @@
+// The few-row product's micro-kernel on AVX2 + FMA CPUs without AVX-512 (few_rows.h includes it there in place of
+// its own): the same dot-product form on 8-float vectors, RB rows of x x NB = 8 / RB weight rows as 8
+// accumulators (16 registers: 8 accumulators, up to 4 weight vectors and a row of x fit), then avx2::tree8
+// (decode_core.h) turns them into the 8 sums. On a Zen 3 EPYC torch's products (MKL's, kept off its fast paths on AMD) streamed the reference
+// shape's weights at 14-15 GB/s at one row and 6 at 8 rows where the machine read 33-37.
+#pragma once
+
+namespace kvlm_decode {
+namespace few_rows {
+
+constexpr int kBlockOut = 8;  // outputs of one micro-kernel call
+
+// A weight vector, loaded non-temporally where 32-byte aligned (as few_rows.h's AVX-512 load_w, which says why).
+inline __m256 load_w(const float* p) {
+#ifndef KVLM_NO_NT_LOADS  // build knob for measuring (ordinary loads)
+  if ((reinterpret_cast<uintptr_t>(p) & 31) == 0)
+    return _mm256_castsi256_ps(_mm256_stream_load_si256(reinterpret_cast<const __m256i*>(p)));
+#endif
+  return _mm256_loadu_ps(p);
+}
+
+// y[r * ys + j] = x_r . w_j (+ bias[j]) for the RB rows x_r of x (stride K) and the nb <= 8 / RB weight rows w_j of
+// w (stride K); the block's missing weight rows repeat its last one (their sums are not stored).
+template <int RB>
+inline void block(const float* x, const float* w, int64_t K, int nb, float* y, int64_t ys, const float* bias) {
+  constexpr int NB = kBlockOut / RB;
+  __m256 a[kBlockOut];
+  for (int i = 0; i < kBlockOut; ++i) a[i] = _mm256_setzero_ps();
+  const float* wr[NB];
+  for (int j = 0; j < NB; ++j) wr[j] = w + std::min(j, nb - 1) * K;
+  const int64_t K8 = K & ~int64_t(7);
+  // the tail of K: maskload reads only the lanes set (none past the row's end)
+  const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(K - K8)),
+                                       _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  if constexpr (RB <= 2) {  // one or two rows of x: each weight row read whole, in memory order
+    for (int j = 0; j < NB; ++j) {
+      const float* wj = wr[j];
+      __m256 s0[RB], s1[RB];
+      for (int r = 0; r < RB; ++r) s0[r] = s1[r] = _mm256_setzero_ps();
+      int64_t k = 0;
+      for (; k + 16 <= K8; k += 16) {
+        const __m256 w0 = load_w(wj + k), w1 = load_w(wj + k + 8);
+        for (int r = 0; r < RB; ++r) {
+          s0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k), w0, s0[r]);
+          s1[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k + 8), w1, s1[r]);
+        }
+      }
+      if (k < K8) {
+        const __m256 w0 = load_w(wj + k);
+        for (int r = 0; r < RB; ++r) s0[r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + r * K + k), w0, s0[r]);
+      }
+      if (K8 < K) {
+        const __m256 w1 = _mm256_maskload_ps(wj + K8, m);
+        for (int r = 0; r < RB; ++r) s1[r] = _mm256_fmadd_ps(_mm256_maskload_ps(x + r * K + K8, m), w1, s1[r]);
+      }
+      for (int r = 0; r < RB; ++r) a[r * NB + j] = _mm256_add_ps(s0[r], s1[r]);
+    }
+  } else {  // 4 or 8 rows: the NB weight rows side by side, each weight vector used by all RB rows
+    for (int64_t k = 0; k < K8; k += 8) {
+      __m256 wv[NB];
+      for (int j = 0; j < NB; ++j) wv[j] = _mm256_loadu_ps(wr[j] + k);
+      if ((k & 15) == 0)  // once a 64-byte line: into L2 far ahead, into L1 near (few_rows.h says why)
+        for (int j = 0; j < NB; ++j) {
+          _mm_prefetch(reinterpret_cast<const char*>(wr[j] + k) + kFarBytes, _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(wr[j] + k) + kNearBytes, _MM_HINT_T0);
+        }
+      for (int r = 0; r < RB; ++r) {
+        const __m256 xv = _mm256_loadu_ps(x + r * K + k);
+        for (int j = 0; j < NB; ++j) a[r * NB + j] = _mm256_fmadd_ps(xv, wv[j], a[r * NB + j]);
+      }
+    }
+    if (K8 < K) {
+      __m256 wv[NB];
+      for (int j = 0; j < NB; ++j) wv[j] = _mm256_maskload_ps(wr[j] + K8, m);
+      for (int r = 0; r < RB; ++r) {
+        const __m256 xv = _mm256_maskload_ps(x + r * K + K8, m);
+        for (int j = 0; j < NB; ++j) a[r * NB + j] = _mm256_fmadd_ps(xv, wv[j], a[r * NB + j]);
+      }
+    }
+  }
+  alignas(32) float s[kBlockOut];
+  _mm256_store_ps(s, avx2::tree8(a));
+  for (int r = 0; r < RB; ++r)
+    for (int j = 0; j < nb; ++j) y[r * ys + j] = s[r * NB + j] + (bias ? bias[j] : 0.0f);
+}
+
+}  // namespace few_rows
+}  // namespace kvlm_decode
