@@ -152,8 +152,11 @@ def test_the_packed_products_or_the_kernel_by_measurement(monkeypatch):
         assert linear.fastest_packing(w, 3) in (None, PANELS) and reorders == [PANELS]
     else:
         assert linear.fastest_packing(w, 3) in (None, 3) and reorders == [3]
-    reorders.clear()  # at 1 row none: the panels were no faster there
-    assert linear.fastest_packing(w, 1) is None and reorders == []
+    reorders.clear()  # at 1 row none with the panels (they were no faster there); MKL's layout for 1 row without
+    if panels:
+        assert linear.fastest_packing(w, 1) is None and reorders == []
+    else:
+        assert linear.fastest_packing(w, 1) in (None, 1) and reorders == [1]
     # the slowest arm is never the answer: each candidate made slow in turn
     for slow in (None, 12, ANY_ROWS, PANELS):
         monkeypatch.setattr(linear, "_FASTEST", {})
