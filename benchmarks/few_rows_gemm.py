@@ -12,7 +12,8 @@ Weights: the reference shape's projections (fused q/k/v, output, fused gate/up, 
 268 MB, allocated in 2 MiB pages as ``prepare_for_inference`` leaves them. Each line: the median over rounds of
 the time to stream them all once, and the rate in GB/s of weights read; ``few pfN`` prefetches N bytes ahead;
 ``MKL packed``: MKL's layout for exactly M rows; ``oneDNN packed``: oneDNN's blocked layout for any M (ANY_ROWS);
-``package``: the package's kernel on the plain weight (kvlm.kernels.few_rows_linear, csrc/few_rows.h);
+``package``: the package's kernel on the plain weight (kvlm.kernels.few_rows_linear, csrc/few_rows.h; on an AVX2
+CPU its few_rows_avx2.h micro-kernel, and then the experiment's own AVX-512 kernel is left out);
 ``panels``: the package's kernel on its panels (kvlm.kernels.few_rows.pack_panels, csrc/few_rows_panels.h).
 """
 
@@ -54,7 +55,8 @@ def main() -> None:
                     help="prefetch distances in bytes: > 0 into L1, < 0 into L2 (with --near into L1)")
     ap.add_argument("--near", type=int, default=2048, help="with an L2 distance, also this far into L1 (0: not)")
     args = ap.parse_args()
-    ext = build()
+    # the experiment's kernel is AVX-512's; on other CPUs (AVX2) the package's arms and the libraries' run alone
+    ext = build() if "avx512f" in Path("/proc/cpuinfo").read_text() else None
     shapes = [(3 * D, D), (D, D), (2 * FFN, D), (D, FFN)] * 6 + [(VOCAB, D)]
     weights = []
     for o, i in shapes:
@@ -67,7 +69,7 @@ def main() -> None:
     for M in args.rows:
         xs = {i: torch.randn(M, i) for i in (D, FFN)}
         calls = {"F.linear": lambda xs=xs: [F.linear(xs[w.shape[1]], w) for w in weights]}
-        for pfd in args.prefetch:
+        for pfd in args.prefetch if ext is not None else []:
             calls[f"few pf{pfd}"] = lambda xs=xs, pfd=pfd: [
                 ext.few_rows(xs[w.shape[1]], w, pfd, 8, args.near) for w in weights
             ]
@@ -85,8 +87,9 @@ def main() -> None:
         calls["oneDNN packed"] = lambda xs=xs, blocked=blocked: [
             torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "") for w, p in zip(weights, blocked)
         ]
-        if package is not None and hasattr(package, "panel_linear"):
+        if package is not None and hasattr(package, "few_rows_linear"):
             calls["package"] = lambda xs=xs: [package.few_rows_linear(xs[w.shape[1]], [w], [None]) for w in weights]
+        if panels:
             calls["panels"] = lambda xs=xs: [
                 package.panel_linear(xs[w.shape[1]], p, w.shape[0], None) for w, p in zip(weights, panels)
             ]

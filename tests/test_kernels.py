@@ -450,6 +450,23 @@ def test_latent_micro_kernel_edges(B, H, T, Dc, dR, S, P, store, s0):
     assert (out.double() - ref).abs().max().item() < 2e-5
 
 
+@pytest.mark.parametrize("rows", range(6, 14))
+@pytest.mark.parametrize("dR", [32, 0])
+def test_latent_decode_any_row_count_on_wide_latents(rows, dR):
+    """Wide latents (256 features and more) at 6 to 13 query rows (heads x new tokens): every remainder of the
+    AVX2 path's blocks of 6 rows scoring a tile of 16 keys in feature-major form (decode_core.h,
+    avx2::tile_scores_fm), with and without the RoPE part, ranges that start and end mid-tile and mid-page; the
+    AVX-512 and portable paths take the same shapes."""
+    gen = torch.Generator().manual_seed(rows * 10 + dR)
+    H, T = (rows // 2, 2) if rows % 2 == 0 else (rows, 1)
+    c, kr, q, qr, view, rview = _latent_setup(2, H, T, 256, dR, 45, 16, "fp32", 3, gen)
+    scale = 1 / math.sqrt(256 + dR)
+    out = kernels.latent_decode(q, qr, view, rview, T, scale, strict=True)
+    ref = reference(q.reshape(2, 1, H * T, 256), c[:, None], c[:, None], view.start, view.end, T, scale,
+                    None if qr is None else qr.reshape(2, 1, H * T, dR), kr).view(2, H, T, 256)  # fmt: skip
+    assert (out.double() - ref).abs().max().item() < 2e-5
+
+
 @pytest.mark.parametrize("B,Hq,G,T,D,S,P,store", [
     (2, 2, 2, 1, 24, 70, 6, "fp32"),  # MHA rows (1 per group), 24 = 16 + 8: a masked second vector
     (1, 6, 2, 3, 100, 75, 10, "int8"),  # 9 rows per group, int8 K and V with their own scales
