@@ -26,7 +26,7 @@ VARIANTS = [("mha", {}), ("gqa", dict(n_kv_head=2)), ("mqa", {}), ("mla", MLA)]
 def built():
     require_kernels()
     if not hasattr(kcpu.extension(), "BlockStack"):
-        pytest.skip("no AVX-512: the stack is built on the block kernels")
+        pytest.skip("neither AVX-512 nor AVX2: the stack is built on the block kernels")
 
 
 def _model(attention, extra, n_layer=3):

@@ -22,7 +22,7 @@ from kvlm.model import Block
 def _kernel():
     require_kernels()
     if not few_rows.few_rows_available():
-        pytest.skip("no AVX-512 on this CPU: the few-row kernel is not built (the library products run)")
+        pytest.skip("neither AVX-512 nor AVX2 on this CPU: the few-row kernel is not built (the library products run)")
 
 
 def _require_panels():

@@ -282,7 +282,7 @@ at::Tensor steal_for_threads(int64_t n, int64_t slow, double us) {
   return out;
 }
 
-#if KVLM_AVX512
+#if KVLM_AVX512 || KVLM_AVX2
 #include "decode_block.h"  // on the few-row kernel's products
 #include "decode_stack.h"  // the blocks of a model in one call
 #endif
@@ -293,15 +293,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "flash-decoding attention over a block-table cache (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last axis in one pass (CPU)");
   m.def("steal_for_threads", &steal_for_threads, "which thread ran each item of steal_for (tests)");
-#if KVLM_AVX512 || KVLM_AVX2
-  m.def("few_rows_linear", &kvlm_decode::few_rows::linear, "[x W_i^T + b_i] at a few rows of x (AVX-512 / AVX2 CPU)");
-#endif
 #if KVLM_AVX512
-  m.def("gqa_block", &gqa_block, "one MHA / GQA decoder block at a few new tokens a sequence (AVX-512 CPU)");
-  m.def("mla_block", &mla_block, "one absorbed-MLA decoder block at a few new tokens a sequence (AVX-512 CPU)");
   m.def("panel_linear", &kvlm_decode::few_rows::panel_linear, "x W^T + b on W's panels (AVX-512 CPU)");
   m.def("head_products", &kvlm_decode::few_rows::head_products, "x_h W_h per head at a few rows (AVX-512 CPU)");
-  pybind11::class_<BlockStack>(m, "BlockStack", "a model's decoder blocks at decode in one call (AVX-512 CPU)")
+#endif
+#if KVLM_AVX512 || KVLM_AVX2
+  m.def("few_rows_linear", &kvlm_decode::few_rows::linear, "[x W_i^T + b_i] at a few rows of x (AVX-512 / AVX2 CPU)");
+  m.def("gqa_block", &gqa_block, "one MHA / GQA decoder block at a few new tokens a sequence (AVX-512 / AVX2 CPU)");
+  m.def("mla_block", &mla_block, "one absorbed-MLA decoder block at a few new tokens a sequence (AVX-512 / AVX2 CPU)");
+  pybind11::class_<BlockStack>(m, "BlockStack", "a model's decoder blocks at decode in one call (AVX-512 / AVX2 CPU)")
       .def(pybind11::init<>())
       .def("add_gqa", &BlockStack::add_gqa)
       .def("add_mla", &BlockStack::add_mla)

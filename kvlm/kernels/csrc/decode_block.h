@@ -66,9 +66,13 @@ inline void check_new_slots(const int32_t* table, int64_t max_blocks, const int3
 // product Linear runs first there), else from the plain weights
 inline at::Tensor product(const at::Tensor& x, const std::vector<at::Tensor>& w, const c10::optional<at::Tensor>& panels) {
   if (panels.has_value() && panels->defined()) {
+#if !KVLM_AVX512
+    TORCH_CHECK(false, "decode block: panels are an AVX-512 layout (this build has none)");
+#else
     int64_t N = 0;
     for (const auto& t : w) N += t.size(0);
     return few_rows::panel_linear(x, *panels, N, c10::nullopt);
+#endif
   }
   return few_rows::linear(x, w, std::vector<c10::optional<at::Tensor>>(w.size()));
 }
@@ -96,6 +100,7 @@ inline std::pair<at::Tensor, at::Tensor> check_block_call(const char* what, cons
 // u = SiLU(a) * g over n floats, 16 at a time: SiLU(a) = a sigmoid(a), the sigmoid from e = exp(-|a|) (never
 // overflows): 1 / (1 + e) for a >= 0, e / (1 + e) below. A scalar std::exp a element took ~58 us a layer at 8
 // rows of the reference shape's 2048 (one core), ~0.35 ms of an 11 ms step at one cached token.
+#if KVLM_AVX512
 inline void silu_gate(const float* a, const float* g, float* u, int64_t n) {
   int64_t i = 0;
   for (; i < n; i += 16) {
@@ -107,6 +112,34 @@ inline void silu_gate(const float* a, const float* g, float* u, int64_t n) {
     const __m512 sig = _mm512_div_ps(num, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
     _mm512_mask_storeu_ps(u + i, m, _mm512_mul_ps(_mm512_mul_ps(av, sig), gv));
   }
+}
+#else  // AVX2: the same on the portable vectors (decode_core.h's vexp), the tail one by one
+inline void silu_gate(const float* a, const float* g, float* u, int64_t n) {
+  using V = Vec<float>::type;
+  constexpr int L = Vec<float>::L;
+  int64_t i = 0;
+  for (; i + L <= n; i += L) {
+    const V av = loadu(a + i), gv = loadu(g + i);
+    const V e = vexp<float>(av < 0.0f ? av : -av);
+    const V sig = (av >= 0.0f ? V{} + 1.0f : e) / (1.0f + e);
+    const V out = av * sig * gv;
+    std::memcpy(u + i, &out, sizeof(V));
+  }
+  for (; i < n; ++i) {
+    const float e = std::exp(-std::fabs(a[i]));
+    u[i] = a[i] * ((a[i] >= 0.0f ? 1.0f : e) / (1.0f + e)) * g[i];
+  }
+}
+#endif
+
+// y_h = x_h W_h for each head: x (H, M, K) with unit stride along K, W (H, K, N) -> (M, H, N); the few-row
+// kernel's per-head products on AVX-512, torch's batched product elsewhere (as the modules run them there)
+inline at::Tensor block_head_products(const at::Tensor& x, const at::Tensor& w) {
+#if KVLM_AVX512
+  return few_rows::head_products(x, w);
+#else
+  return at::bmm(x, w).transpose(0, 1).contiguous();
+#endif
 }
 
 // x1 + (SiLU(h W_1^T) * (h W_2^T)) W_O^T with h = RMSNorm(x1): the SwiGLU half of a block (kvlm.model.SwiGLU)
@@ -264,7 +297,7 @@ at::Tensor mla_block(const at::Tensor& x, const at::Tensor& attn_norm, const at:
   // the attention's rows (B, 1, h T, .): head by head, each head's T tokens in order (kvlm.kernels.latent_decode);
   // at one token views, else small copies
   auto q = qkv.view({BT, row}).narrow(1, 0, qw).view({BT, H, dh + dr});
-  auto q_lat = few_rows::head_products(q.narrow(2, 0, dh).transpose(0, 1), w_uk);  // (B T, h, d_c)
+  auto q_lat = block_head_products(q.narrow(2, 0, dh).transpose(0, 1), w_uk);  // (B T, h, d_c)
   SECTION(2)
   auto heads_first = [&](const at::Tensor& t) {  // (B T, h, w) -> (B, 1, h T, w)
     return t.view({B, T, H, t.size(-1)}).transpose(1, 2).reshape({B, 1, H * T, t.size(-1)});
@@ -274,7 +307,7 @@ at::Tensor mla_block(const at::Tensor& x, const at::Tensor& attn_norm, const at:
                             c10::nullopt, kr_pool, table, start, en, P, T, scale, n_split);  // (B, 1, h T, d_c)
   SECTION(3)
   auto z_heads = z.view({B, H, T, dc}).transpose(0, 1).reshape({H, BT, dc});  // (h, B T, d_c)
-  auto o = few_rows::head_products(z_heads, w_uv);  // (B T, h, d_h)
+  auto o = block_head_products(z_heads, w_uv);  // (B T, h, d_h)
   SECTION(4)
   auto x1 = add_residual(product(o.view({B, T, H * dh}), {w_o}, panels[2]), x);
   SECTION(5)
