@@ -15,8 +15,8 @@ from torch import nn
 
 from kvlm import build_model, kernels
 from kvlm.attention.linear import PANELS, Linear
-from kvlm.kernels.few_rows import panels_available
 from kvlm.kernels import cpu as kcpu
+from kvlm.kernels.few_rows import panels_available
 from kvlm.model import Block
 
 MLA = dict(kv_lora_rank=64, rope_head_dim=16)
