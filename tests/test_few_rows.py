@@ -32,7 +32,7 @@ def _require_panels():
 
 def _require_head_products():
     if not few_rows.head_products_available():
-        pytest.skip("no AVX-512 on this CPU: the per-head products are not built (torch.bmm runs them)")
+        pytest.skip("neither AVX-512 nor AVX2 on this CPU: the per-head products are not built (torch.bmm runs them)")
 
 
 def _reference(x, weights, biases):

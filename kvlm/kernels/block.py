@@ -1,8 +1,7 @@
 """The decoder block in one call of the extension at T new tokens a sequence (csrc/decode_block.h): RMSNorm,
 the few-row weight products, RoPE, the new tokens' cache writes, attention over the cache, the residuals and
 SwiGLU, for up to ``FEW_ROWS`` rows (B T; ``MAX_ROWS`` where no weight of the block is packed in a library's
-layout: ``BlockCall.wide``) in float32 on an AVX-512 or AVX2 + FMA CPU (on AVX2 without panels, and the per-head
-products by torch's batched product inside the call).
+layout: ``BlockCall.wide``) in float32 on an AVX-512 or AVX2 + FMA CPU (on AVX2 without panels).
 
 ``gqa_block_call`` / ``mla_block_call`` check the block's weights once and return the call a decode step makes
 (``call(x, rope, views...)``, a ``BlockCall``), which checks only what changes from step to step (the input, the

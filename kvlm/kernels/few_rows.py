@@ -67,7 +67,7 @@ def panels_available() -> bool:
 
 
 def head_products_available() -> bool:
-    """Whether this machine has the per-head products (``few_rows_head_matmul``; AVX-512 only)."""
+    """Whether this machine has the per-head products (``few_rows_head_matmul``; AVX-512 or AVX2 + FMA)."""
     ext = extension()
     return ext is not None and hasattr(ext, "head_products")
 
@@ -115,7 +115,7 @@ def few_rows_head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | Non
     """x (B, h, T, a) times w (h, a, b) head by head -> (B, h, T, b), as ``latent_ops.head_matmul`` computes it
     with torch.bmm, by the kernel's per-head product (``head_products`` in csrc/few_rows.h: each head's matrix read
     once for the B T rows), or None where it does not apply: more than ``MAX_ROWS`` rows, b not a multiple of 16,
-    tensors not plain float32 CPU ones, autograd recording, under torch.compile, kernels disabled or no AVX-512.
+    tensors not plain float32 CPU ones, autograd recording, under torch.compile, kernels disabled or neither AVX-512 nor AVX2.
     MLA's absorbed decode makes two such products a layer (q^C W~^UK, z W~^UV): at the bench reference shape a
     decode step 1.02-1.03x faster than through torch.bmm at batch 8, even at batch 1 (benchmarks/decode-limit.md)."""
     if type(x) not in PLAIN_TENSORS or x.dtype is not torch.float32 or not x.is_cpu or x.dim() != 4 or not _plain(w):

@@ -295,9 +295,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("steal_for_threads", &steal_for_threads, "which thread ran each item of steal_for (tests)");
 #if KVLM_AVX512
   m.def("panel_linear", &kvlm_decode::few_rows::panel_linear, "x W^T + b on W's panels (AVX-512 CPU)");
-  m.def("head_products", &kvlm_decode::few_rows::head_products, "x_h W_h per head at a few rows (AVX-512 CPU)");
 #endif
 #if KVLM_AVX512 || KVLM_AVX2
+  m.def("head_products", &kvlm_decode::few_rows::head_products, "x_h W_h per head at a few rows (AVX-512 / AVX2 CPU)");
   m.def("few_rows_linear", &kvlm_decode::few_rows::linear, "[x W_i^T + b_i] at a few rows of x (AVX-512 / AVX2 CPU)");
   m.def("gqa_block", &gqa_block, "one MHA / GQA decoder block at a few new tokens a sequence (AVX-512 / AVX2 CPU)");
   m.def("mla_block", &mla_block, "one absorbed-MLA decoder block at a few new tokens a sequence (AVX-512 / AVX2 CPU)");

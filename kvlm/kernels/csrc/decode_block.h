@@ -132,15 +132,6 @@ inline void silu_gate(const float* a, const float* g, float* u, int64_t n) {
 }
 #endif
 
-// y_h = x_h W_h for each head: x (H, M, K) with unit stride along K, W (H, K, N) -> (M, H, N); the few-row
-// kernel's per-head products on AVX-512, torch's batched product elsewhere (as the modules run them there)
-inline at::Tensor block_head_products(const at::Tensor& x, const at::Tensor& w) {
-#if KVLM_AVX512
-  return few_rows::head_products(x, w);
-#else
-  return at::bmm(x, w).transpose(0, 1).contiguous();
-#endif
-}
 
 // x1 + (SiLU(h W_1^T) * (h W_2^T)) W_O^T with h = RMSNorm(x1): the SwiGLU half of a block (kvlm.model.SwiGLU)
 inline at::Tensor swiglu_residual(const at::Tensor& x1, const at::Tensor& mlp_norm, double eps,
@@ -297,7 +288,7 @@ at::Tensor mla_block(const at::Tensor& x, const at::Tensor& attn_norm, const at:
   // the attention's rows (B, 1, h T, .): head by head, each head's T tokens in order (kvlm.kernels.latent_decode);
   // at one token views, else small copies
   auto q = qkv.view({BT, row}).narrow(1, 0, qw).view({BT, H, dh + dr});
-  auto q_lat = block_head_products(q.narrow(2, 0, dh).transpose(0, 1), w_uk);  // (B T, h, d_c)
+  auto q_lat = few_rows::head_products(q.narrow(2, 0, dh).transpose(0, 1), w_uk);  // (B T, h, d_c)
   SECTION(2)
   auto heads_first = [&](const at::Tensor& t) {  // (B T, h, w) -> (B, 1, h T, w)
     return t.view({B, T, H, t.size(-1)}).transpose(1, 2).reshape({B, 1, H * T, t.size(-1)});
@@ -307,7 +298,7 @@ at::Tensor mla_block(const at::Tensor& x, const at::Tensor& attn_norm, const at:
                             c10::nullopt, kr_pool, table, start, en, P, T, scale, n_split);  // (B, 1, h T, d_c)
   SECTION(3)
   auto z_heads = z.view({B, H, T, dc}).transpose(0, 1).reshape({H, BT, dc});  // (h, B T, d_c)
-  auto o = block_head_products(z_heads, w_uv);  // (B T, h, d_h)
+  auto o = few_rows::head_products(z_heads, w_uv);  // (B T, h, d_h)
   SECTION(4)
   auto x1 = add_residual(product(o.view({B, T, H * dh}), {w_o}, panels[2]), x);
   SECTION(5)

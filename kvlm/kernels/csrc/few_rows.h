@@ -207,12 +207,37 @@ inline at::Tensor linear(const at::Tensor& x, const std::vector<at::Tensor>& wei
   return y;
 }
 
+#if KVLM_AVX2
+// y[r][0, 8 NV) = sum_k x[r][k] W[k][0, 8 NV) for RB rows of x (stride xs) and NV vectors of W's columns (rows of W
+// N apart), y's rows ys apart: outer products, each W vector loaded once for the RB rows (2 rows x 4 vectors:
+// 8 accumulators, 4 weights and a broadcast in AVX2's 16 registers)
+template <int RB, int NV>
+inline void head_columns(const float* x, int64_t xs, const float* w, int64_t K, int64_t N, float* y, int64_t ys) {
+  __m256 a[RB][NV];
+  for (int r = 0; r < RB; ++r)
+    for (int i = 0; i < NV; ++i) a[r][i] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 wv[NV];
+    for (int i = 0; i < NV; ++i) {
+      wv[i] = _mm256_loadu_ps(w + k * N + 8 * i);
+      asm("" : "+x"(wv[i]));  // held in a register for the RB rows (not folded into each FMA as a load)
+    }
+    for (int r = 0; r < RB; ++r) {
+      const __m256 xb = _mm256_broadcast_ss(x + r * xs + k);
+      for (int i = 0; i < NV; ++i) a[r][i] = _mm256_fmadd_ps(xb, wv[i], a[r][i]);
+    }
+  }
+  for (int r = 0; r < RB; ++r)
+    for (int i = 0; i < NV; ++i) _mm256_storeu_ps(y + r * ys + 8 * i, a[r][i]);
+}
+#endif
+
 // Per-head products y_h = x_h W_h at a few rows (MLA's absorption: q^C W~^UK and z W~^UV, one small matrix a
 // head): x (H, M, K) strided (unit stride along K, so (B, h, 1, a) is read in place), W (H, K, N) contiguous as the
-// model keeps it (N a multiple of 16); y (M, H, N). Outer-product form, the attention kernel's value micro-kernel
-// (avx512::values_chunk: rows of x broadcast against rows of W, 4 x 4 output vectors in registers), so each W_h
-// is read once for all M rows and no transposed copy is kept. Work items are (head, 64 output columns).
-#if KVLM_AVX512  // on the attention kernel's AVX-512 value micro-kernel
+// model keeps it (N a multiple of 16); y (M, H, N). Outer-product form, so each W_h is read once for all M rows
+// and no transposed copy is kept: on AVX-512 the attention kernel's value micro-kernel (avx512::values_chunk: rows
+// of x broadcast against rows of W, 4 x 4 output vectors in registers), work items (head, 64 output columns); on
+// AVX2 head_columns, work items (head, 32 output columns).
 inline at::Tensor head_products(const at::Tensor& x, const at::Tensor& w) {
   TORCH_CHECK(x.dim() == 3 && w.dim() == 3 && x.size(0) == w.size(0) && x.size(2) == w.size(1),
               "head_products: x (H, M, K) and w (H, K, N)");
@@ -222,13 +247,15 @@ inline at::Tensor head_products(const at::Tensor& x, const at::Tensor& w) {
   const int64_t H = x.size(0), M = x.size(1), K = x.size(2), N = w.size(2);
   TORCH_CHECK(N % 16 == 0 && x.stride(1) < (int64_t(1) << 30) && K < (int64_t(1) << 30),
               "head_products: N a multiple of 16");
-  auto y = at::zeros({M, H, N}, x.options());  // the micro-kernel adds into its output
-  if (M == 0 || N == 0 || H == 0) return y;
-  const int64_t nv = N / 16, chunks = (nv + 3) / 4, sh = x.stride(0);
+  const int64_t sh = x.stride(0);
   const int xs = static_cast<int>(x.stride(1));
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
+#if KVLM_AVX512
+  auto y = at::zeros({M, H, N}, x.options());  // the micro-kernel adds into its output
+  if (M == 0 || N == 0 || H == 0) return y;
   float* yp = y.data_ptr<float>();
+  const int64_t nv = N / 16, chunks = (nv + 3) / 4;
   steal_for(H * chunks, [&](int64_t i) {
     thread_local std::vector<const char*> rows;
     rows.resize(std::max<int64_t>(K, 1));
@@ -242,9 +269,28 @@ inline at::Tensor head_products(const at::Tensor& x, const at::Tensor& w) {
                                            nullptr, pl, 0);
     });
   });
+#else
+  auto y = at::empty({M, H, N}, x.options());
+  if (M == 0 || N == 0 || H == 0) return y;
+  float* yp = y.data_ptr<float>();
+  const int64_t chunks = (N + 31) / 32;  // the last one 16 columns where N is an odd multiple of 16
+  steal_for(H * chunks, [&](int64_t i) {
+    const int64_t h = i / chunks, c0 = (i % chunks) * 32;
+    const bool whole = N - c0 >= 32;
+    row_blocks<2>(M, [&](auto tag, int64_t r) {
+      constexpr int RB = decltype(tag)::value;
+      const float* xr = xp + h * sh + r * xs;
+      const float* wh = wp + h * K * N + c0;
+      float* yr = yp + (r * H + h) * N + c0;
+      if (whole)
+        head_columns<RB, 4>(xr, xs, wh, K, N, yr, H * N);
+      else
+        head_columns<RB, 2>(xr, xs, wh, K, N, yr, H * N);
+    });
+  });
+#endif
   return y;
 }
-#endif
 
 }  // namespace few_rows
 }  // namespace kvlm_decode
