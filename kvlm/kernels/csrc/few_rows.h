@@ -1,5 +1,6 @@
 // The weight products of decode at a few rows, y = x W^T (+ b), on the plain (N, K) float32 weight (AVX-512, or
-// AVX2 + FMA through few_rows_avx2.h's micro-kernel; kvlm.kernels.few_rows_linear, used by kvlm.attention.linear.Linear up to Linear.few_rows rows).
+// AVX2 + FMA through few_rows_avx2.h's micro-kernel; kvlm.kernels.few_rows_linear, used by
+// kvlm.attention.linear.Linear up to Linear.few_rows rows).
 //
 // Decode multiplies batch x new-token rows (1-8) by every weight, so its time is the time to read the weights.
 // BLAS libraries handle these shapes as a matrix-vector product or pack for a wide GEMM, and on some CPUs stream
