@@ -30,11 +30,6 @@ if TYPE_CHECKING:
 Rope = tuple[torch.Tensor, torch.Tensor]
 
 
-def _has(name: str) -> bool:
-    ext = cpu.extension()
-    return ext is not None and hasattr(ext, name)
-
-
 def _extension_for(name: str, x: torch.Tensor, rope: Rope, a: BlockView, wide: bool):
     """The extension when its block kernel ``name`` takes x (B, T, d), the RoPE tables and the cache view ``a``
     now: a built extension with the kernel, no autograd, not traced, x a contiguous float32 CPU tensor of T new
@@ -175,7 +170,7 @@ def gqa_block_call(
     compute the same."""
     w_up, w_down = mlp
     weights = (*w_qkv, w_o, *w_up, w_down)
-    if not _has("gqa_block") or not all(few_rows._plain(t) for t in (*weights, norms[0], norms[1])):
+    if not cpu.has("gqa_block") or not all(few_rows._plain(t) for t in (*weights, norms[0], norms[1])):
         return None
     panels = list(panels) if panels is not None else [None] * 4
     return _GqaCall(
@@ -203,7 +198,7 @@ def mla_block_call(
     (w_up, w_down), (w_uk, w_uv), (kv_norm, kv_eps, alpha) = mlp, absorbed, latent_norm
     weights = (w_q, w_kv_a, w_uk, w_uv, w_o, *w_up, w_down)
     tensors = (*weights, norms[0], norms[1], *(() if kv_norm is None else (kv_norm,)))
-    if not _has("mla_block") or not all(few_rows._plain(t) for t in tensors):
+    if not cpu.has("mla_block") or not all(few_rows._plain(t) for t in tensors):
         return None
     if w_uk.shape[1] % 16 or w_uk.shape[2] % 16:  # the head products' widths
         return None
@@ -263,7 +258,7 @@ def block_stack(calls: Sequence[BlockCall]) -> StackCall | None:
     """The blocks of ``calls`` (one per layer, in order, each of ``gqa_block_call`` / ``mla_block_call``) in one
     call of the extension (csrc/decode_stack.h), their weights held there; None without the extension's stack
     or without calls."""
-    if not calls or not _has("BlockStack"):
+    if not calls or not cpu.has("BlockStack"):
         return None
     stack = cpu.extension().BlockStack()
     for call in calls:

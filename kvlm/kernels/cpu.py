@@ -132,6 +132,13 @@ def extension() -> ModuleType | None:
     return _state.get("module")  # type: ignore[return-value]
 
 
+def has(name: str) -> bool:
+    """Whether the extension is built (kernels enabled) and binds ``name``: what it binds depends on the CPU's
+    instruction sets (decode.cpp)."""
+    ext = extension()
+    return ext is not None and hasattr(ext, name)
+
+
 def build_error() -> str | None:
     """Why the last build failed (None if it did not, or was not tried)."""
     return _state.get("error")  # type: ignore[return-value]

@@ -1,6 +1,6 @@
 """Decode's weight products at a few rows on CPU: ``few_rows_linear`` runs [x W_1^T + b_1, ...] through the
-few-row kernel (csrc/few_rows.h; AVX-512, or AVX2 + FMA), which reads each plain float32 weight once for all rows of x;
-``few_rows_head_matmul`` runs absorbed MLA's per-head products x_h W_h the same way.
+few-row kernel (csrc/few_rows.h; AVX-512, or AVX2 + FMA), which reads each plain float32 weight once for all
+rows of x; ``few_rows_head_matmul`` runs absorbed MLA's per-head products x_h W_h the same way.
 
 Decode multiplies batch x new-token rows by every weight, so its time is the time to read them. Streaming the
 reference shape's 268 MB of weights, 2 threads (``benchmarks/few_rows_gemm.py``; ms, lower is better):
@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 
 from kvlm.hugepages import zeros_in_huge_pages
-from kvlm.kernels.cpu import extension
+from kvlm.kernels.cpu import extension, has
 from kvlm.kernels.shared import LINEAR_CALLS, PLAIN_TENSORS, count_flops
 
 FEW_ROWS = 8  # rows up to which the kernel takes the product first (faster than every library path measured)
@@ -56,20 +56,17 @@ def _plain(t: torch.Tensor) -> bool:
 
 def few_rows_available() -> bool:
     """Whether this machine has the kernel: the extension built (kernels enabled) on an AVX-512 or AVX2 + FMA CPU."""
-    ext = extension()
-    return ext is not None and hasattr(ext, "few_rows_linear")
+    return has("few_rows_linear")
 
 
 def panels_available() -> bool:
     """Whether this machine has the kernel on panels (``pack_panels``; AVX-512 only)."""
-    ext = extension()
-    return ext is not None and hasattr(ext, "panel_linear")
+    return has("panel_linear")
 
 
 def head_products_available() -> bool:
     """Whether this machine has the per-head products (``few_rows_head_matmul``; AVX-512 or AVX2 + FMA)."""
-    ext = extension()
-    return ext is not None and hasattr(ext, "head_products")
+    return has("head_products")
 
 
 def few_rows_linear(
@@ -115,8 +112,8 @@ def few_rows_head_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | Non
     """x (B, h, T, a) times w (h, a, b) head by head -> (B, h, T, b), as ``latent_ops.head_matmul`` computes it
     with torch.bmm, by the kernel's per-head product (``head_products`` in csrc/few_rows.h: each head's matrix read
     once for the B T rows), or None where it does not apply: more than ``MAX_ROWS`` rows, b not a multiple of 16,
-    tensors not plain float32 CPU ones, autograd recording, under torch.compile, kernels disabled or neither AVX-512 nor AVX2.
-    MLA's absorbed decode makes two such products a layer (q^C W~^UK, z W~^UV): at the bench reference shape a
+    tensors not plain float32 CPU ones, autograd recording, under torch.compile, kernels disabled or neither AVX-512
+    nor AVX2. MLA's absorbed decode makes two such products a layer (q^C W~^UK, z W~^UV): at the bench reference shape a
     decode step 1.02-1.03x faster than through torch.bmm at batch 8, even at batch 1 (benchmarks/decode-limit.md)."""
     if type(x) not in PLAIN_TENSORS or x.dtype is not torch.float32 or not x.is_cpu or x.dim() != 4 or not _plain(w):
         return None
