@@ -60,7 +60,10 @@ constexpr int kVecBytes = KVLM_VEC_BYTES;
 #define KVLM_MAX_ROW_BLOCK (KVLM_AVX2 ? 2 : 4)
 #endif
 constexpr int kMaxRowBlock = KVLM_MAX_ROW_BLOCK;
-constexpr int kTile = 32;      // the largest key tile; splits of the key axis are multiples of it
+constexpr int kTile = 32;
+// Keys per score block of 2 rows over wide key rows, 0 where the portable path keeps 4 (see decode_avx2.h).
+template <typename T>
+constexpr int kWideKeys = KVLM_AVX2 && std::is_same<T, float>::value ? 6 : 0;      // the largest key tile; splits of the key axis are multiples of it
 
 template <typename T>
 struct Vec {
@@ -198,16 +201,16 @@ inline typename Vec<T>::type loadu(const T* p) {  // unaligned vector load
 }
 
 // s[x][y] = scale * (sum of the lanes of a[x][y]).
-template <typename T, int RB>
-inline void store_sums(typename Vec<T>::type (&a)[RB][4], T scale, T* s, int stride) {
+template <typename T, int RB, int KB>
+inline void store_sums(typename Vec<T>::type (&a)[RB][KB], T scale, T* s, int stride) {
   for (int x = 0; x < RB; ++x)
-    for (int y = 0; y < 4; ++y) s[x * stride + y] = hsum<T>(a[x][y]) * scale;
+    for (int y = 0; y < KB; ++y) s[x * stride + y] = hsum<T>(a[x][y]) * scale;
 }
 #if KVLM_VEC_BYTES == 64 && !defined(KVLM_NO_TREE)
 // 16 float vectors -> their 16 lane sums in one vector, by a tree of 15 shuffle-and-add steps (the sum of two
 // half-interleavings halves the partial sums per vector) instead of 16 horizontal sums of ~8 steps each.
 template <>
-inline void store_sums<float, 4>(Vec<float>::type (&a)[4][4], float scale, float* s, int stride) {
+inline void store_sums<float, 4, 4>(Vec<float>::type (&a)[4][4], float scale, float* s, int stride) {
   typedef int32_t VI __attribute__((vector_size(64)));
   using V = Vec<float>::type;
   const VI lo1 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
@@ -231,57 +234,35 @@ inline void store_sums<float, 4>(Vec<float>::type (&a)[4][4], float scale, float
 #endif
 
 #if KVLM_AVX2
-namespace avx2 {
-// 8 vectors -> their 8 lane sums in one vector: two levels of horizontal adds leave the sums of each vector's
-// two 128-bit halves side by side, one add across the halves finishes them (7 instructions for 8 sums).
-inline __m256 tree8(const __m256 (&a)[8]) {
-  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
-  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
-  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // halves of a0..a3, of a4..a7
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-}  // namespace avx2
-
-// 2 rows x 4 keys of scores in one tree8; 1 row x 4 keys in two levels of horizontal adds
-template <>
-inline void store_sums<float, 2>(Vec<float>::type (&a)[2][4], float scale, float* s, int stride) {
-  const __m256(&v)[8] = reinterpret_cast<const __m256(&)[8]>(a);
-  const __m256 f = _mm256_mul_ps(avx2::tree8(v), _mm256_set1_ps(scale));
-  _mm_storeu_ps(s, _mm256_castps256_ps128(f));
-  _mm_storeu_ps(s + stride, _mm256_extractf128_ps(f, 1));
-}
-template <>
-inline void store_sums<float, 1>(Vec<float>::type (&a)[1][4], float scale, float* s, int) {
-  const __m256(&v)[4] = reinterpret_cast<const __m256(&)[4]>(a);
-  const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-  _mm_storeu_ps(s, _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)), _mm_set1_ps(scale)));
-}
+}  // namespace kvlm_decode
+#include "decode_avx2.h"
+namespace kvlm_decode {
 #endif
 
-// scores s[x][y] = scale (q_x . k_y + qr_x . kr_y) for RB rows x and 4 keys y.
-template <typename T, int RB>
+// scores s[x][y] = scale (q_x . k_y + qr_x . kr_y) for RB rows x and KB keys y: the RB query vectors of a step in
+// registers, each key vector loaded once for RB FMAs.
+template <typename T, int RB, int KB = 4>
 inline void score_block(const T* const* q, const T* const* qr, const T* const* kp, const T* const* krp, int64_t Dk,
                         int64_t Dr, T scale, T* s, int stride) {
   using V = typename Vec<T>::type;
   constexpr int L = Vec<T>::L;
-  V a[RB][4] = {};
-  for (int64_t d = 0; d < Dk; d += L) {
-    V kv[4];
-    for (int y = 0; y < 4; ++y) kv[y] = loadu(kp[y] + d);
-    for (int x = 0; x < RB; ++x) {
-      const V qv = *reinterpret_cast<const V*>(q[x] + d);
-      for (int y = 0; y < 4; ++y) a[x][y] += qv * kv[y];
+  V a[RB][KB] = {};
+  auto steps = [&](const T* const* qx, const T* const* ky, int64_t D) {
+    for (int64_t d = 0; d < D; d += L) {
+      V qv[RB];
+      for (int x = 0; x < RB; ++x) qv[x] = *reinterpret_cast<const V*>(qx[x] + d);
+      for (int y = 0; y < KB; ++y) {
+        V kv = loadu(ky[y] + d);
+#if KVLM_AVX2
+        if (KB > 4) asm("" : "+x"(kv));  // one load per key: GCC would fold it into each of the RB FMAs
+#endif
+        for (int x = 0; x < RB; ++x) a[x][y] += qv[x] * kv;
+      }
     }
-  }
-  for (int64_t d = 0; d < Dr; d += L) {
-    V kv[4];
-    for (int y = 0; y < 4; ++y) kv[y] = loadu(krp[y] + d);
-    for (int x = 0; x < RB; ++x) {
-      const V qv = *reinterpret_cast<const V*>(qr[x] + d);
-      for (int y = 0; y < 4; ++y) a[x][y] += qv * kv[y];
-    }
-  }
-  store_sums<T, RB>(a, scale, s, stride);
+  };
+  steps(q, kp, Dk);
+  steps(qr, krp, Dr);
+  store_sums<T, RB, KB>(a, scale, s, stride);
 }
 
 // acc[x] += sum_j p[x][j] v_j for RB rows: two vectors of the value width at a time, so 2 RB independent
@@ -422,7 +403,19 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
         }
       }
     }
-    for (int64_t r0 = 0; r0 < Rb; r0 += RB) {
+    bool scored = false;
+    if constexpr (kWideKeys<T> > 0 && TILE % kWideKeys<T> == 0)
+      if (RB == 2) {  // AVX2, wide rows: blocks of 2 rows x 6 keys, keys outer so that 6 keys stay in L1 for all rows
+        constexpr int KW = kWideKeys<T>;
+        for (int y0 = 0; y0 < TILE; y0 += KW)
+          for (int64_t r0 = 0; r0 < Rb; r0 += 2) {
+            const T* qx[2] = {q + r0 * Dkp, q + (r0 + 1) * Dkp};
+            const T* qrx[2] = {qr + r0 * Drp, qr + (r0 + 1) * Drp};
+            score_block<T, 2, KW>(qx, qrx, kp + y0, krp + y0, Dkp, Drp, scale, s + r0 * TILE + y0, TILE);
+          }
+        scored = true;
+      }
+    for (int64_t r0 = 0; r0 < Rb && !scored; r0 += RB) {
       for (int x = 0; x < RB; ++x) {
         qrow[x] = q + (r0 + x) * Dkp;
         qrrow[x] = qr + (r0 + x) * Drp;
@@ -533,7 +526,9 @@ void attend_range(const Job& J, const T* q, const T* qr, int64_t b, int64_t g, i
     }
   }
 #endif
-  if (J.Dkp + J.Drp >= 256)
+  if (J.Dkp + J.Drp >= 256 && kWideKeys<T>)  // AVX2: 4 blocks of 6 keys
+    attend_range_t<T, 24>(J, q, qr, b, g, j0, j1, lo, hi, m, l, acc);
+  else if (J.Dkp + J.Drp >= 256)
     attend_range_t<T, 16>(J, q, qr, b, g, j0, j1, lo, hi, m, l, acc);
   else
     attend_range_t<T, 32>(J, q, qr, b, g, j0, j1, lo, hi, m, l, acc);
