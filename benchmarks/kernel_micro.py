@@ -9,6 +9,7 @@ ran MLA and GQA-3 1.05-1.12x and MHA 0.92-0.93x as fast, benchmarks/decode-limit
 
     OMP_NUM_THREADS=2 python benchmarks/kernel_micro.py --baseline HEAD     # ~1 min after the builds
     OMP_NUM_THREADS=2 python benchmarks/kernel_micro.py --baseline HEAD --define KVLM_NO_PREFETCH   # a build knob
+    OMP_NUM_THREADS=2 python benchmarks/kernel_micro.py --baseline HEAD --page-size 16   # a serving cache's blocks
 """
 
 from __future__ import annotations
@@ -71,16 +72,32 @@ def in_huge_pages(t: torch.Tensor) -> torch.Tensor:
     return zeros_in_huge_pages(tuple(t.shape), t.dtype).copy_(t)
 
 
-def make_case(name, H, G, latent, D, dR, store, B, S, T, seed=0):
-    """Arguments of decode_attention for one layer: B sequences of S cached tokens, contiguous (one page each),
-    the pools in 2 MiB pages as the model's caches (``in_huge_pages``)."""
+def paged(t: torch.Tensor, P: int, perm: torch.Tensor) -> torch.Tensor:
+    """(B, [G,] S, D) cached rows -> a pool of B S / P pages of P rows, (N, [G,] P, D), page k of the sequences'
+    order stored at perm[k]."""
+    S = t.shape[-2]
+    # (B S / P, [G,] P, D) in the sequences' order
+    pages = t.unflatten(-2, (S // P, P)).movedim(-3, 1).flatten(0, 1)
+    out = torch.empty_like(pages)
+    out[perm] = pages
+    return out
+
+
+def make_case(name, H, G, latent, D, dR, store, B, S, T, seed=0, page_size=0):
+    """Arguments of decode_attention for one layer: B sequences of S cached tokens, the pools in 2 MiB pages as
+    the model's caches (``in_huge_pages``); contiguous (one block each) or, with ``page_size`` P, in blocks of P
+    tokens scattered over the pool in random order, as a paged cache's are after a while of serving."""
     gen = torch.Generator().manual_seed(seed)
-    table = torch.arange(B, dtype=torch.int32)[:, None]
     start, end = torch.zeros(B, dtype=torch.int32), torch.full((B,), S, dtype=torch.int32)
+    P = page_size or S
+    if S % P:
+        raise SystemExit(f"--page-size {P} must divide --context {S}")
+    perm = torch.randperm(B * (S // P), generator=gen)
+    table = perm.view(B, S // P).to(torch.int32)
     if latent:
-        pool = torch.randn(B, 1, S, D, generator=gen)
+        pool = paged(torch.randn(B, 1, S, D, generator=gen), P, perm)
         q = torch.randn(B, 1, H * T, D, generator=gen)
-        kr = torch.randn(B, S, dR, generator=gen) if dR else None
+        kr = paged(torch.randn(B, S, dR, generator=gen), P, perm) if dR else None
         qr = torch.randn(B, 1, H * T, dR, generator=gen) if dR else None
         scale = None
         if store in ("int8", "fp8"):
@@ -89,14 +106,14 @@ def make_case(name, H, G, latent, D, dR, store, B, S, T, seed=0):
         kv_bytes = pool.numel() * pool.element_size() + (0 if scale is None else scale.numel() * 4)
         nbytes = kv_bytes + (0 if kr is None else kr.numel() * 4)
         flops = 2 * B * H * T * S * (2 * D + dR)
-        args = (q, qr, pool, scale, pool, scale, kr, table, start, end, S, T, 1 / (D + dR) ** 0.5)
+        args = (q, qr, pool, scale, pool, scale, kr, table, start, end, P, T, 1 / (D + dR) ** 0.5)
     else:
-        k = in_huge_pages(torch.randn(B, G, S, D, generator=gen))
-        v = in_huge_pages(torch.randn(B, G, S, D, generator=gen))
+        k = in_huge_pages(paged(torch.randn(B, G, S, D, generator=gen), P, perm))
+        v = in_huge_pages(paged(torch.randn(B, G, S, D, generator=gen), P, perm))
         q = torch.randn(B, G, H // G * T, D, generator=gen)
         nbytes = 2 * k.numel() * 4
         flops = 2 * B * H * T * S * 2 * D
-        args = (q, None, k, None, v, None, None, table, start, end, S, T, D**-0.5)
+        args = (q, None, k, None, v, None, None, table, start, end, P, T, D**-0.5)
     n_split = kernels.split_count(B * G, S, start, end)  # what kvlm.kernels._splits picks
     return args + (n_split,), flops, nbytes
 
@@ -107,6 +124,12 @@ def main() -> None:
     ap.add_argument("--define", nargs="*", default=[], metavar="KNOB[=V]", help="build knobs for the baseline")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument(
+        "--page-size",
+        type=int,
+        default=0,
+        help="cache blocks of this many tokens in random order (0: one block per sequence)",
+    )
     ap.add_argument("--repeats", type=int, default=9, help="interleaved rounds (medians)")
     ap.add_argument("--layers", type=int, default=3,
                     help="distinct caches, called in turn, so that a layer is not read from the last level cache")
@@ -135,7 +158,10 @@ def main() -> None:
         if name not in wanted:
             continue
         T = int(name.rsplit("-T", 1)[1]) if "-T" in name else 1
-        layers = [make_case(name, H, G, latent, D, dR, store, a.batch, a.context, T, seed=i) for i in range(a.layers)]
+        layers = [
+            make_case(name, H, G, latent, D, dR, store, a.batch, a.context, T, seed=i, page_size=a.page_size)
+            for i in range(a.layers)
+        ]
         _, flops, nbytes = layers[0]
         times = {k: [] for k in mods}
         for m in mods.values():

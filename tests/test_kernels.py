@@ -606,3 +606,40 @@ def test_split_count_balances_threads_with_long_pieces(items, keys, threads, pie
         torch.set_num_threads(before)
     assert got == pieces
     assert (items * got) % threads == 0 or got == 1
+
+
+def test_pool_and_argument_shapes_are_checked_by_the_extension():
+    """The extension's op itself (not only kvlm.kernels' views) refuses shapes it would read past: a page axis that
+    is not the page size, short scales, a RoPE pool or value pool with fewer pages, q_rope rows unlike q's, no new
+    tokens, a 1-D block table. One clear error each, never a read outside a tensor."""
+    require_kernels()
+    ext = kcpu.extension()
+    B, N, P, D, dR = 2, 4, 8, 16, 8
+    q, qr = torch.randn(B, 1, 3, D), torch.randn(B, 1, 3, dR)
+    pool, kr = torch.randn(N, 1, P, D), torch.randn(N, P, dR)
+    table = torch.arange(N, dtype=torch.int32).view(B, 2)
+    start, end = torch.zeros(B, dtype=torch.int32), torch.full((B,), 2 * P, dtype=torch.int32)
+    q8, s8 = quantize(pool, torch.int8)
+
+    def call(**kw):
+        a = dict(q=q, q_rope=qr, k_pool=pool, k_scale=None, v_pool=pool, v_scale=None, kr_pool=kr,
+                 block_table=table, start=start, end=end, page_size=P, n_new=1, scale=0.1, n_split=1)  # fmt: skip
+        a.update(kw)
+        return ext.decode_attention(*a.values())
+
+    ref = call()
+    assert torch.allclose(call(k_pool=q8, k_scale=s8, v_pool=q8, v_scale=s8), ref, atol=0.05)
+    bad = {
+        "page axis .size 8. is not the page size 16": dict(page_size=2 * P, table=None),
+        "cache scales must be": dict(k_pool=q8, k_scale=s8[:, :, :4], v_pool=q8, v_scale=s8[:, :, :4]),
+        "kr_pool must have k_pool's 4 pages": dict(kr_pool=kr[:2]),
+        "v_pool must have k_pool's 4 pages": dict(v_pool=pool[:2]),
+        "q_rope must be": dict(q_rope=qr[:, :, :2]),
+        "n_new must be >= 1": dict(n_new=0),
+        "block_table must be": dict(block_table=table.flatten()),
+    }
+    for message, kw in bad.items():
+        if kw.pop("table", 1) is None:  # the end fits pages of 2 P; the pool's are shorter
+            kw["block_table"] = table[:, :1]
+        with pytest.raises(RuntimeError, match=message):
+            call(**kw)

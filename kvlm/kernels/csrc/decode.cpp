@@ -45,8 +45,11 @@ DType to_dtype(at::ScalarType t) {
   return DType::f32;
 }
 
-Pool make_pool(const at::Tensor& pool, const c10::optional<at::Tensor>& scale, bool grouped) {
+// A pool (N, [G,] P, D) of pages of P rows and its optional per-row scales (N, [G,] P, 1); shapes checked here, so
+// that a page axis shorter than the page size or a short scale tensor is an error, not a read past their ends.
+Pool make_pool(const at::Tensor& pool, const c10::optional<at::Tensor>& scale, bool grouped, int64_t P) {
   TORCH_CHECK(pool.stride(-1) == 1, "cache pool must be contiguous in its last axis");
+  TORCH_CHECK(pool.size(-2) == P, "cache pool's page axis (size ", pool.size(-2), ") is not the page size ", P);
   Pool p;
   p.data = pool.data_ptr();
   p.dtype = to_dtype(pool.scalar_type());
@@ -57,6 +60,9 @@ Pool make_pool(const at::Tensor& pool, const c10::optional<at::Tensor>& scale, b
   if (scale.has_value() && scale->defined()) {
     const auto& s = *scale;
     TORCH_CHECK(s.scalar_type() == at::kFloat, "cache scales must be float32");
+    TORCH_CHECK(s.dim() == pool.dim() && s.size(-1) == 1 && s.sizes().slice(0, s.dim() - 1) ==
+                    pool.sizes().slice(0, pool.dim() - 1),
+                "cache scales must be ", pool.sizes().slice(0, pool.dim() - 1), " x 1, got ", s.sizes());
     p.scale = s.data_ptr<float>();
     p.sc_page = s.stride(0);
     p.sc_group = grouped ? s.stride(1) : 0;
@@ -178,9 +184,13 @@ at::Tensor decode_attention(const at::Tensor& q, const c10::optional<at::Tensor>
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble, "q must be float32 or float64");
   const bool has_rope = q_rope.has_value() && q_rope->defined();
   TORCH_CHECK(has_rope == (kr_pool.has_value() && kr_pool->defined()), "q_rope and kr_pool go together");
+  TORCH_CHECK(!has_rope || (q_rope->dim() == 4 && q_rope->sizes().slice(0, 3) == q.sizes().slice(0, 3)),
+              "q_rope must be (B, G, R, d_R) with q's B, G, R");
+  TORCH_CHECK(page_size >= 1 && n_new >= 1, "page_size and n_new must be >= 1, got ", page_size, " and ", n_new);
   auto table = check_table(block_table, "block_table");
   auto st = check_table(start, "start");
   auto en = check_table(end, "end");
+  TORCH_CHECK(table.dim() == 2 && st.dim() == 1 && en.dim() == 1, "block_table must be (B, pages), start and end (B,)");
   Job J;
   J.B = q.size(0);
   J.G = q.size(1);
@@ -194,7 +204,8 @@ at::Tensor decode_attention(const at::Tensor& q, const c10::optional<at::Tensor>
   TORCH_CHECK(k_pool.size(1) == J.G && v_pool.size(1) == J.G, "pools must have G = q.size(1) groups");
   TORCH_CHECK(k_pool.size(-1) == J.Dk, "k_pool width differs from q's");
   TORCH_CHECK(J.R % J.T == 0, "rows must be heads x new tokens");
-  TORCH_CHECK(table.size(0) == J.B && st.size(0) == J.B && en.size(0) == J.B, "tables must have B rows");
+  TORCH_CHECK(table.size(0) == J.B && st.size(0) == J.B && en.size(0) == J.B, "block_table, start, end must have B rows");
+  TORCH_CHECK(v_pool.size(0) == k_pool.size(0), "v_pool must have k_pool's ", k_pool.size(0), " pages");
   const int64_t L = q.scalar_type() == at::kFloat ? Vec<float>::L : Vec<double>::L;
   J.Dkp = round_up(J.Dk, L);
   J.Dvp = round_up(J.Dv, L);
@@ -215,13 +226,14 @@ at::Tensor decode_attention(const at::Tensor& q, const c10::optional<at::Tensor>
                   " is not a page of the pool (", n_pages, " pages)");
     }
   }
-  J.k = make_pool(k_pool, k_scale, true);
-  J.v = make_pool(v_pool, v_scale, true);
+  J.k = make_pool(k_pool, k_scale, true, J.P);
+  J.v = make_pool(v_pool, v_scale, true, J.P);
   J.v_is_k = v_pool.data_ptr() == k_pool.data_ptr() && v_pool.strides() == k_pool.strides() &&
              v_pool.sizes() == k_pool.sizes();
   if (has_rope) {
     TORCH_CHECK(kr_pool->dim() == 3 && kr_pool->size(-1) == J.Dr, "kr_pool must be (N, P, d_R)");
-    J.kr = make_pool(*kr_pool, c10::nullopt, false);
+    TORCH_CHECK(kr_pool->size(0) == n_pages, "kr_pool must have k_pool's ", n_pages, " pages");
+    J.kr = make_pool(*kr_pool, c10::nullopt, false, J.P);
   }
   J.scale = scale;
   at::Tensor qr = has_rope ? *q_rope : at::Tensor();

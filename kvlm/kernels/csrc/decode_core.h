@@ -387,12 +387,14 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
         ++page_i;
       }
     }
-    // prefetch the next tile's rows into L2 while this one is computed (the sequential prefetcher stops at
-    // page boundaries and does not know the block table)
+    // prefetch the next tile's rows into L2 while this one is computed, those in later pages of the block table
+    // only: the hardware's sequential prefetcher does not know the table, but it runs ahead within a page, where
+    // prefetching too measured 0.95-0.97x (AVX2, pages of a whole sequence; pages of 16: 1.02-1.05x with it)
     {
-      int64_t pi = page_i, rw = row;
       const int nn = static_cast<int>(std::min<int64_t>(TILE, j1 - t0 - n));
-      for (int jj = 0; jj < nn; ++jj) {
+      const int same_page = row > 0 ? static_cast<int>(std::min<int64_t>(nn, J.P - row)) : 0;  // hardware's stream
+      int64_t pi = page_i + (row + same_page == J.P), rw = (row + same_page) % J.P;
+      for (int jj = same_page; jj < nn; ++jj) {
         const int64_t page = tab[pi];
         prefetch_row(J.k, page, g, rw);
         if (!J.v_is_k) prefetch_row(J.v, page, g, rw);
