@@ -105,7 +105,10 @@ def run(
     mode = "absorbed" if spec.startswith("mla") else "auto"
     huge_weights = piece != "huge-page weights"
     model = _model(spec, shape, context + 8, huge_weights)
-    old_model = _model(spec, shape, context + 8, False) if not huge_weights else model
+    # a model per arm where the arms differ in the model or in the kernel: the blocks' stack (decode_plans) is
+    # built once per model from the extension loaded then and holds it
+    separate = not huge_weights or piece == "kernel sources"
+    old_model = _model(spec, shape, context + 8, huge_weights) if separate else model
     caches = {"old": _cache(model, batch, context, piece != "huge-page cache"), "new": None}
     caches["new"] = caches["old"] if piece != "huge-page cache" else _cache(model, batch, context, True)
     tok = torch.randint(0, model.cfg.vocab_size, (batch, 1))
