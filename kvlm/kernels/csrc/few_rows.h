@@ -157,6 +157,17 @@ inline void row_blocks(int64_t M, F&& f) {
 // The 16 weight rows [n0, n1) of one weight against every row of x (M rows), by row blocks of 8, 4, 2, 1.
 inline void rows_block(const float* x, int64_t M, const float* w, int64_t K, int64_t n0, int64_t n1, float* y,
                        int64_t ys, const float* bias) {
+#if KVLM_AVX2 && !defined(KVLM_NO_4X3)
+  if (M >= 4) {  // AVX2: 3 weight rows at a time against each 4 rows of x (few_rows_avx2.h), then the rest
+    const int64_t M4 = M / 4 * 4;
+    for (int64_t n = n0; n < n1; n += 3)
+      for (int64_t r = 0; r < M4; r += 4)
+        block_4x3(x + r * K, w + n * K, K, static_cast<int>(std::min<int64_t>(3, n1 - n)), y + r * ys + n, ys,
+                  bias ? bias + n : nullptr, r == 0);
+    if (M4 < M) rows_block(x + M4 * K, M - M4, w, K, n0, n1, y + M4 * ys, ys, bias);
+    return;
+  }
+#endif
   row_blocks<KVLM_FEW_MAX_RB>(M, [&](auto tag, int64_t r) {
     constexpr int RB = decltype(tag)::value, NB = kBlockOut / RB;
     for (int64_t n = n0; n < n1; n += NB)

@@ -1,8 +1,10 @@
 // The few-row product's micro-kernel on AVX2 + FMA CPUs without AVX-512 (few_rows.h includes it there in place of
 // its own): the same dot-product form on 8-float vectors, RB rows of x x NB = 8 / RB weight rows as 8
 // accumulators (16 registers: 8 accumulators, up to 4 weight vectors and a row of x fit), then avx2::tree8
-// (decode_core.h) turns them into the 8 sums. On a Zen 3 EPYC torch's products (MKL's, kept off its fast paths on AMD) streamed the reference
-// shape's weights at 14-15 GB/s at one row and 6 at 8 rows where the machine read 33-37.
+// (decode_core.h) turns them into the 8 sums; from 4 rows of x, block_4x3 (4 rows x 3 weight rows, 12
+// accumulators; the whole step at batch 8 and one cached token 1.00-1.12x, benchmarks/decode-limit.md). On a Zen 3
+// EPYC torch's products (MKL's, kept off its fast paths on AMD) streamed the reference shape's weights at 14-15
+// GB/s at one row and 6 at 8 rows where the machine read 33-37.
 #pragma once
 
 namespace kvlm_decode {
@@ -82,6 +84,48 @@ inline void block(const float* x, const float* w, int64_t K, int nb, float* y, i
   _mm256_store_ps(s, avx2::tree8(a));
   for (int r = 0; r < RB; ++r)
     for (int j = 0; j < nb; ++j) y[r * ys + j] = s[r * NB + j] + (bias ? bias[j] : 0.0f);
+}
+
+
+// 4 rows of x x 3 weight rows as 12 accumulators (+ 3 weight vectors and an x vector: all 16 registers): 7 loads to
+// 12 FMAs where block<8> has 9 to 8. The caller runs it for each 4 rows over the same 3 weight rows in turn, the
+// later passes reading them from L1 / L2 (`first`: the pass that prefetches them).
+inline void block_4x3(const float* x, const float* w, int64_t K, int nb, float* y, int64_t ys, const float* bias,
+                      bool first) {
+  __m256 a[12];
+  for (int i = 0; i < 12; ++i) a[i] = _mm256_setzero_ps();
+  const float* wr[3];
+  for (int j = 0; j < 3; ++j) wr[j] = w + std::min(j, nb - 1) * K;
+  const int64_t K8 = K & ~int64_t(7);
+  const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(K - K8)),
+                                       _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  for (int64_t k = 0; k < K8; k += 8) {
+    __m256 wv[3];
+    for (int j = 0; j < 3; ++j) wv[j] = _mm256_loadu_ps(wr[j] + k);
+    if (first && (k & 15) == 0)
+      for (int j = 0; j < 3; ++j) {
+        _mm_prefetch(reinterpret_cast<const char*>(wr[j] + k) + kFarBytes, _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(wr[j] + k) + kNearBytes, _MM_HINT_T0);
+      }
+    for (int r = 0; r < 4; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x + r * K + k);
+      for (int j = 0; j < 3; ++j) a[r * 3 + j] = _mm256_fmadd_ps(xv, wv[j], a[r * 3 + j]);
+    }
+  }
+  if (K8 < K) {
+    __m256 wv[3];
+    for (int j = 0; j < 3; ++j) wv[j] = _mm256_maskload_ps(wr[j] + K8, m);
+    for (int r = 0; r < 4; ++r) {
+      const __m256 xv = _mm256_maskload_ps(x + r * K + K8, m);
+      for (int j = 0; j < 3; ++j) a[r * 3 + j] = _mm256_fmadd_ps(xv, wv[j], a[r * 3 + j]);
+    }
+  }
+  alignas(32) float s[12];
+  _mm256_store_ps(s, avx2::tree8(reinterpret_cast<const __m256(&)[8]>(a[0])));
+  const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a[8], a[9]), _mm256_hadd_ps(a[10], a[11]));
+  _mm_storeu_ps(s + 8, _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
+  for (int r = 0; r < 4; ++r)
+    for (int j = 0; j < nb; ++j) y[r * ys + j] = s[r * 3 + j] + (bias ? bias[j] : 0.0f);
 }
 
 }  // namespace few_rows
