@@ -453,10 +453,10 @@ def test_latent_micro_kernel_edges(B, H, T, Dc, dR, S, P, store, s0):
 @pytest.mark.parametrize("rows", range(6, 14))
 @pytest.mark.parametrize("dR", [32, 0])
 def test_latent_decode_any_row_count_on_wide_latents(rows, dR):
-    """Wide latents (256 features and more) at 6 to 13 query rows (heads x new tokens): every remainder of the
-    AVX2 path's blocks of 6 rows scoring a tile of 16 keys in feature-major form (decode_core.h,
-    avx2::tile_scores_fm), with and without the RoPE part, ranges that start and end mid-tile and mid-page; the
-    AVX-512 and portable paths take the same shapes."""
+    """Wide latents (256 features and more) at 6 to 13 query rows (heads x new tokens): odd and even row counts
+    of the AVX2 path's score blocks of 2 rows x 6 keys in tiles of 24 keys (decode_core.h, decode_avx2.h), with
+    and without the RoPE part, ranges that start and end mid-tile and mid-page; the AVX-512 and portable paths
+    take the same shapes."""
     gen = torch.Generator().manual_seed(rows * 10 + dR)
     H, T = (rows // 2, 2) if rows % 2 == 0 else (rows, 1)
     c, kr, q, qr, view, rview = _latent_setup(2, H, T, 256, dR, 45, 16, "fp32", 3, gen)

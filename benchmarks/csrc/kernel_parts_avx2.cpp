@@ -1,6 +1,7 @@
 // The portable decode kernel's MLA case on an AVX2 CPU, torch-free (the AVX-512 one is kernel_parts.cpp): an
 // FMA loop for this core's peak, the portable score and value loops alone on L1-resident data (score_block at
-// 2 rows x 4 keys over 256 + 32 features, value_block at 2 rows over 16 keys of 256), and the whole attend_range
+// 2 rows x 4 keys, the narrow tiles' block, and 2 x 6, the latent tiles', over 256 + 32 features; value_block at
+// 2 rows over 16 keys of 256), and the whole attend_range
 // (12 rows, one sequence of S keys, float32). benchmarks/decode-limit.md, "An AVX2 machine".
 //
 //   g++ -O3 -march=native -fno-math-errno -falign-loops=64 -I kvlm/kernels/csrc \
@@ -35,6 +36,17 @@ int main(int argc, char** argv) {
     for (long i = 0; i < n; ++i) { score_block<float, 2>(qp, qr, kp, kr, 256, 32, 1.0f, &s[0][0], 4); asm volatile("" ::: "memory"); }
     double t = since(t0);
     printf("score_block<2> L1: %.1f GFLOP/s\n", n * 2.0 * 2 * 4 * 288 / t / 1e9);
+  }
+  {
+    alignas(64) static float q[2][288], k[6][288], s[2][6];
+    for (int i = 0; i < 288; ++i) { q[0][i] = q[1][i] = 0.001f * i; for (int y = 0; y < 6; ++y) k[y][i] = 0.002f * i; }
+    const float* qp[2] = {q[0], q[1]}; const float* qr[2] = {q[0] + 256, q[1] + 256};
+    const float* kp[6]; const float* kr[6];
+    for (int y = 0; y < 6; ++y) { kp[y] = k[y]; kr[y] = k[y] + 256; }
+    const long n = 2000000; auto t0 = Clock::now();
+    for (long i = 0; i < n; ++i) { score_block<float, 2, 6>(qp, qr, kp, kr, 256, 32, 1.0f, &s[0][0], 6); asm volatile("" ::: "memory"); }
+    double t = since(t0);
+    printf("score_block<2, 6> L1: %.1f GFLOP/s\n", n * 2.0 * 2 * 6 * 288 / t / 1e9);
   }
   {
     alignas(64) static float p[2][16], v[16][256], acc[2][256];
