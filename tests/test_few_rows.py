@@ -44,8 +44,9 @@ def _reference(x, weights, biases):
 @pytest.mark.parametrize("rows", range(1, 9))
 @pytest.mark.parametrize("k", [1, 37, 64, 200])
 def test_the_kernel_computes_the_products(rows, k):
-    """Every row count up to 8 (row blocks of 8, 4, 2, 1), feature counts off and on the vector width, weights of
-    any number of rows (not whole blocks of 16), with and without biases, concatenated in one output."""
+    """Every row count up to 8 (row blocks of 8, 4, 2, 1; on AVX2 from 4 rows blocks of 4 rows x 3 weight rows and
+    the rest), feature counts off and on the vector width, weights of any number of rows (not whole blocks of 16,
+    nor of 3), with and without biases, concatenated in one output."""
     torch.manual_seed(rows * 1000 + k)
     x = torch.randn(2, rows, k)[1]  # a view: the kernel reads it as given
     weights = [torch.randn(n, k) for n in (33, 16, 5)]
