@@ -14,6 +14,11 @@ inline __m256 tree8(const __m256 (&a)[8]) {
   const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // halves of a0..a3, of a4..a7
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
+// 4 vectors -> their 4 lane sums: two levels of horizontal adds, then the two 128-bit halves added.
+inline __m128 tree4(const __m256* a) {
+  const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+}
 }  // namespace avx2
 
 // 2 rows x 4 keys of scores in one tree8; 1 row x 4 keys in two levels of horizontal adds
@@ -26,17 +31,14 @@ inline void store_sums<float, 2, 4>(Vec<float>::type (&a)[2][4], float scale, fl
 }
 template <>
 inline void store_sums<float, 1, 4>(Vec<float>::type (&a)[1][4], float scale, float* s, int) {
-  const __m256(&v)[4] = reinterpret_cast<const __m256(&)[4]>(a);
-  const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-  _mm_storeu_ps(s, _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)), _mm_set1_ps(scale)));
+  _mm_storeu_ps(s, _mm_mul_ps(avx2::tree4(reinterpret_cast<const __m256*>(&a[0][0])), _mm_set1_ps(scale)));
 }
 // 2 rows x 6 keys: tree8 over row 0's six and row 1's first two, two levels of horizontal adds for row 1's last four
 template <>
 inline void store_sums<float, 2, 6>(Vec<float>::type (&a)[2][6], float scale, float* s, int stride) {
   const __m256* v = reinterpret_cast<const __m256*>(&a[0][0]);  // v[x * 6 + y] = a[x][y]
   const __m256 f = _mm256_mul_ps(avx2::tree8(reinterpret_cast<const __m256(&)[8]>(*v)), _mm256_set1_ps(scale));
-  const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(v[8], v[9]), _mm256_hadd_ps(v[10], v[11]));
-  const __m128 g = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)), _mm_set1_ps(scale));
+  const __m128 g = _mm_mul_ps(avx2::tree4(v + 8), _mm_set1_ps(scale));
   alignas(32) float row0[8];
   _mm256_store_ps(row0, f);
   for (int y = 0; y < 6; ++y) s[y] = row0[y];

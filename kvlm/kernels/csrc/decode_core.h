@@ -40,10 +40,13 @@ constexpr int kVecBytes = KVLM_VEC_BYTES;
 #define KVLM_MAX_ROW_BLOCK (KVLM_AVX2 ? 2 : 4)
 #endif
 constexpr int kMaxRowBlock = KVLM_MAX_ROW_BLOCK;
-constexpr int kTile = 32;
-// Keys per score block of 2 rows over wide key rows, 0 where the portable path keeps 4 (see decode_avx2.h).
+constexpr int kTile = 32;      // the largest key tile; splits of the key axis are multiples of it
+// Keys per score block of 2 rows over wide key rows, 0 where the portable path keeps 4 (see decode_avx2.h), and
+// the key tile of wide rows: 4 such blocks, else 16 keys.
 template <typename T>
-constexpr int kWideKeys = KVLM_AVX2 && std::is_same<T, float>::value ? 6 : 0;      // the largest key tile; splits of the key axis are multiples of it
+constexpr int kWideKeys = KVLM_AVX2 && std::is_same<T, float>::value ? 6 : 0;
+template <typename T>
+constexpr int kWideTile = kWideKeys<T> ? 4 * kWideKeys<T> : 16;
 
 template <typename T>
 struct Vec {
@@ -312,7 +315,7 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
     // otherwise waits on L2 / memory (AVX2, kernel_micro: GQA-3 1.02-1.03x, MHA 1.03-1.04x)
     if (!J.v_is_k && v_direct)
       for (int jj = 0; jj < n; ++jj)
-        for (int64_t off = 0; off < J.v.D; off += 16) __builtin_prefetch(vp[jj] + off, 0, 3);
+        for (int64_t off = 0; off < J.v.D; off += 64 / sizeof(T)) __builtin_prefetch(vp[jj] + off, 0, 3);
     // prefetch the next tile's rows into L2 while this one is computed, those in later pages of the block table
     // only: the hardware's sequential prefetcher does not know the table, but it runs ahead within a page, where
     // prefetching too measured 0.95-0.97x (AVX2, pages of a whole sequence; pages of 16: 1.02-1.05x with it)
@@ -331,31 +334,31 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
         }
       }
     }
-    bool scored = false;
-    if constexpr (kWideKeys<T> > 0 && TILE % kWideKeys<T> == 0)
-      if (RB == 2) {  // AVX2, wide rows: blocks of 2 rows x 6 keys, keys outer so that 6 keys stay in L1 for all rows
-        constexpr int KW = kWideKeys<T>;
-        for (int y0 = 0; y0 < TILE; y0 += KW)
-          for (int64_t r0 = 0; r0 < Rb; r0 += 2) {
-            const T* qx[2] = {q + r0 * Dkp, q + (r0 + 1) * Dkp};
-            const T* qrx[2] = {qr + r0 * Drp, qr + (r0 + 1) * Drp};
-            score_block<T, 2, KW>(qx, qrx, kp + y0, krp + y0, Dkp, Drp, scale, s + r0 * TILE + y0, TILE);
-          }
-        scored = true;
-      }
-    for (int64_t r0 = 0; r0 < Rb && !scored; r0 += RB) {
-      for (int x = 0; x < RB; ++x) {
-        qrow[x] = q + (r0 + x) * Dkp;
-        qrrow[x] = qr + (r0 + x) * Drp;
-      }
-      for (int y0 = 0; y0 < TILE; y0 += 4) {
-        T* sb = s + r0 * TILE + y0;
-        if (RB == 4)
-          score_block<T, 4>(qrow, qrrow, kp + y0, krp + y0, Dkp, Drp, scale, sb, TILE);
-        else if (RB == 2)
-          score_block<T, 2>(qrow, qrrow, kp + y0, krp + y0, Dkp, Drp, scale, sb, TILE);
-        else
-          score_block<T, 1>(qrow, qrrow, kp + y0, krp + y0, Dkp, Drp, scale, sb, TILE);
+    // AVX2, wide rows: blocks of 2 rows x 6 keys, keys outer so that 6 keys stay in L1 for all rows
+    constexpr bool k6 = kWideKeys<T> > 0 && TILE % kWideKeys<T> == 0;
+    if (k6 && RB == 2) {
+      constexpr int KW = k6 ? kWideKeys<T> : 4;
+      for (int y0 = 0; y0 < TILE; y0 += KW)
+        for (int64_t r0 = 0; r0 < Rb; r0 += 2) {
+          const T* qx[2] = {q + r0 * Dkp, q + (r0 + 1) * Dkp};
+          const T* qrx[2] = {qr + r0 * Drp, qr + (r0 + 1) * Drp};
+          score_block<T, 2, KW>(qx, qrx, kp + y0, krp + y0, Dkp, Drp, scale, s + r0 * TILE + y0, TILE);
+        }
+    } else {
+      for (int64_t r0 = 0; r0 < Rb; r0 += RB) {
+        for (int x = 0; x < RB; ++x) {
+          qrow[x] = q + (r0 + x) * Dkp;
+          qrrow[x] = qr + (r0 + x) * Drp;
+        }
+        for (int y0 = 0; y0 < TILE; y0 += 4) {
+          T* sb = s + r0 * TILE + y0;
+          if (RB == 4)
+            score_block<T, 4>(qrow, qrrow, kp + y0, krp + y0, Dkp, Drp, scale, sb, TILE);
+          else if (RB == 2)
+            score_block<T, 2>(qrow, qrrow, kp + y0, krp + y0, Dkp, Drp, scale, sb, TILE);
+          else
+            score_block<T, 1>(qrow, qrrow, kp + y0, krp + y0, Dkp, Drp, scale, sb, TILE);
+        }
       }
     }
     // online softmax per row, TILE scores as VT vectors: mask, tile max, rescale, probabilities in place
@@ -454,10 +457,8 @@ void attend_range(const Job& J, const T* q, const T* qr, int64_t b, int64_t g, i
     }
   }
 #endif
-  if (J.Dkp + J.Drp >= 256 && kWideKeys<T>)  // AVX2: 4 blocks of 6 keys
-    attend_range_t<T, 24>(J, q, qr, b, g, j0, j1, lo, hi, m, l, acc);
-  else if (J.Dkp + J.Drp >= 256)
-    attend_range_t<T, 16>(J, q, qr, b, g, j0, j1, lo, hi, m, l, acc);
+  if (J.Dkp + J.Drp >= 256)
+    attend_range_t<T, kWideTile<T>>(J, q, qr, b, g, j0, j1, lo, hi, m, l, acc);
   else
     attend_range_t<T, 32>(J, q, qr, b, g, j0, j1, lo, hi, m, l, acc);
 }

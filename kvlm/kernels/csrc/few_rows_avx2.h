@@ -21,6 +21,11 @@ inline __m256 load_w(const float* p) {
   return _mm256_loadu_ps(p);
 }
 
+// The first n (0-7) lanes set: maskload reads only those (none past a row's end).
+inline __m256i tail_mask(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
 // y[r * ys + j] = x_r . w_j (+ bias[j]) for the RB rows x_r of x (stride K) and the nb <= 8 / RB weight rows w_j of
 // w (stride K); the block's missing weight rows repeat its last one (their sums are not stored).
 template <int RB>
@@ -31,9 +36,7 @@ inline void block(const float* x, const float* w, int64_t K, int nb, float* y, i
   const float* wr[NB];
   for (int j = 0; j < NB; ++j) wr[j] = w + std::min(j, nb - 1) * K;
   const int64_t K8 = K & ~int64_t(7);
-  // the tail of K: maskload reads only the lanes set (none past the row's end)
-  const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(K - K8)),
-                                       _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256i m = tail_mask(K - K8);  // the tail of K
   if constexpr (RB <= 2) {  // one or two rows of x: each weight row read whole, in memory order
     for (int j = 0; j < NB; ++j) {
       const float* wj = wr[j];
@@ -97,8 +100,7 @@ inline void block_4x3(const float* x, const float* w, int64_t K, int nb, float* 
   const float* wr[3];
   for (int j = 0; j < 3; ++j) wr[j] = w + std::min(j, nb - 1) * K;
   const int64_t K8 = K & ~int64_t(7);
-  const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(K - K8)),
-                                       _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  const __m256i m = tail_mask(K - K8);
   for (int64_t k = 0; k < K8; k += 8) {
     __m256 wv[3];
     for (int j = 0; j < 3; ++j) wv[j] = _mm256_loadu_ps(wr[j] + k);
@@ -122,8 +124,7 @@ inline void block_4x3(const float* x, const float* w, int64_t K, int nb, float* 
   }
   alignas(32) float s[12];
   _mm256_store_ps(s, avx2::tree8(reinterpret_cast<const __m256(&)[8]>(a[0])));
-  const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a[8], a[9]), _mm256_hadd_ps(a[10], a[11]));
-  _mm_storeu_ps(s + 8, _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
+  _mm_storeu_ps(s + 8, avx2::tree4(a + 8));
   for (int r = 0; r < 4; ++r)
     for (int j = 0; j < nb; ++j) y[r * ys + j] = s[r * 3 + j] + (bias ? bias[j] : 0.0f);
 }
