@@ -33,6 +33,21 @@ template <>
 inline void store_sums<float, 1, 4>(Vec<float>::type (&a)[1][4], float scale, float* s, int) {
   _mm_storeu_ps(s, _mm_mul_ps(avx2::tree4(reinterpret_cast<const __m256*>(&a[0][0])), _mm_set1_ps(scale)));
 }
+// 1 row x 8 keys (one narrow row) in one tree8
+template <>
+inline void store_sums<float, 1, 8>(Vec<float>::type (&a)[1][8], float scale, float* s, int) {
+  _mm256_storeu_ps(s, _mm256_mul_ps(avx2::tree8(reinterpret_cast<const __m256(&)[8]>(a)), _mm256_set1_ps(scale)));
+}
+// 4 rows x 2 keys (narrow rows) in one tree8
+template <>
+inline void store_sums<float, 4, 2>(Vec<float>::type (&a)[4][2], float scale, float* s, int stride) {
+  alignas(32) float f[8];  // f[x * 2 + y]
+  _mm256_store_ps(f, _mm256_mul_ps(avx2::tree8(reinterpret_cast<const __m256(&)[8]>(a)), _mm256_set1_ps(scale)));
+  for (int x = 0; x < 4; ++x) {
+    s[x * stride] = f[2 * x];
+    s[x * stride + 1] = f[2 * x + 1];
+  }
+}
 // 2 rows x 6 keys: tree8 over row 0's six and row 1's first two, two levels of horizontal adds for row 1's last four
 template <>
 inline void store_sums<float, 2, 6>(Vec<float>::type (&a)[2][6], float scale, float* s, int stride) {

@@ -40,6 +40,11 @@ constexpr int kVecBytes = KVLM_VEC_BYTES;
 #define KVLM_MAX_ROW_BLOCK (KVLM_AVX2 ? 2 : 4)
 #endif
 constexpr int kMaxRowBlock = KVLM_MAX_ROW_BLOCK;
+#if KVLM_AVX2 && !defined(KVLM_NO_AVX2_ROWS4)
+#define KVLM_AVX2_ROWS4 1  // narrow rows in blocks of 4 on AVX2 all the same (attend_range_t)
+#else
+#define KVLM_AVX2_ROWS4 0
+#endif
 constexpr int kTile = 32;      // the largest key tile; splits of the key axis are multiples of it
 // Keys per score block of 2 rows over wide key rows, 0 where the portable path keeps 4 (see decode_avx2.h), and
 // the key tile of wide rows: 4 such blocks, else 16 keys.
@@ -178,7 +183,7 @@ inline void score_block(const T* const* q, const T* const* qr, const T* const* k
       for (int y = 0; y < KB; ++y) {
         V kv = loadu(ky[y] + d);
 #if KVLM_AVX2
-        if (KB > 4) asm("" : "+x"(kv));  // one load per key: GCC would fold it into each of the RB FMAs
+        if (KB > 4 || RB > 2) asm("" : "+x"(kv));  // one load per key: GCC would fold it into each of the RB FMAs
 #endif
         for (int x = 0; x < RB; ++x) a[x][y] += qv[x] * kv;
       }
@@ -191,25 +196,26 @@ inline void score_block(const T* const* q, const T* const* qr, const T* const* k
 
 // acc[x] += sum_j p[x][j] v_j for RB rows: two vectors of the value width at a time, so 2 RB independent
 // FMA chains hide the FMA latency (one vector per row is only RB chains: half the FMA throughput).
-template <typename T, int RB>
+// ZW vectors at a time first: RB = 4 on AVX2 holds 2 (4 x 4 accumulators would be all 16 registers), one row 8.
+template <typename T, int RB, int ZW = 4>
 inline void value_block(const T* p, int stride, const T* const* vp, int n, int64_t Dv, T* acc, int64_t acc_stride) {
   using V = typename Vec<T>::type;
   constexpr int L = Vec<T>::L;
   int64_t d = 0;
-  for (; d + 4 * L <= Dv; d += 4 * L) {  // 4 RB accumulators: each value vector and probability loaded for 4 FMAs
-    V a[RB][4];
+  for (; d + ZW * L <= Dv; d += ZW * L) {  // RB ZW accumulators: each value vector and probability loaded for ZW FMAs
+    V a[RB][ZW];
     for (int x = 0; x < RB; ++x)
-      for (int z = 0; z < 4; ++z) a[x][z] = *reinterpret_cast<const V*>(acc + x * acc_stride + d + z * L);
+      for (int z = 0; z < ZW; ++z) a[x][z] = *reinterpret_cast<const V*>(acc + x * acc_stride + d + z * L);
     for (int jj = 0; jj < n; ++jj) {
-      V vv[4];
-      for (int z = 0; z < 4; ++z) vv[z] = loadu(vp[jj] + d + z * L);
+      V vv[ZW];
+      for (int z = 0; z < ZW; ++z) vv[z] = loadu(vp[jj] + d + z * L);
       for (int x = 0; x < RB; ++x) {
         const T px = p[x * stride + jj];
-        for (int z = 0; z < 4; ++z) a[x][z] += px * vv[z];
+        for (int z = 0; z < ZW; ++z) a[x][z] += px * vv[z];
       }
     }
     for (int x = 0; x < RB; ++x)
-      for (int z = 0; z < 4; ++z) *reinterpret_cast<V*>(acc + x * acc_stride + d + z * L) = a[x][z];
+      for (int z = 0; z < ZW; ++z) *reinterpret_cast<V*>(acc + x * acc_stride + d + z * L) = a[x][z];
   }
   for (; d + 2 * L <= Dv; d += 2 * L) {
     V a[RB][2];
@@ -258,6 +264,43 @@ inline void prefetch_row(const Pool& p, int64_t page, int64_t g, int64_t row) {
 #endif
 }
 
+// Key offsets 0, 1, ..., VT L - 1 within a tile as VT vectors.
+template <typename T, int VT>
+inline const auto kIota = [] {
+  struct {
+    typename Vec<T>::type v[VT];
+    const typename Vec<T>::type& operator[](int u) const { return v[u]; }
+  } iota{};
+  for (int u = 0; u < VT; ++u)
+    for (int i = 0; i < Vec<T>::L; ++i) iota.v[u][i] = static_cast<T>(u * Vec<T>::L + i);
+  return iota;
+}();
+
+// Rows [row, row + n) of one page of `p` as pointers: in place, or widened into buf (rows Dp apart).
+template <typename T>
+inline void page_rows(const Pool& p, bool direct, int64_t page, int64_t g, int64_t row, int n, T* buf, int64_t Dp,
+                      const T** out) {
+  if (direct) {
+    const T* first = row_ptr<T>(p, page, g, row);
+    for (int u = 0; u < n; ++u) out[u] = first + u * p.s_row;
+    return;
+  }
+  for (int u = 0; u < n; ++u) {
+    load_row<T>(p, page, g, row + u, buf + u * Dp, Dp);
+    out[u] = buf + u * Dp;
+  }
+}
+
+// n rows of D elements from `first`, `stride` apart, into L1; adjacent rows as one span of lines.
+template <typename T>
+inline void prefetch_rows(const T* first, int n, int64_t stride, int64_t D) {
+  constexpr int64_t line = 64 / sizeof(T);
+  const int64_t span = stride == D ? n * D : D, rows = stride == D ? 1 : n;
+  for (int64_t u = 0; u < rows; ++u)
+#pragma GCC unroll 4
+    for (int64_t off = 0; off < span; off += line) __builtin_prefetch(first + u * stride + off, 0, 3);
+}
+
 // One work item: rows [0, R) of group g of sequence b against keys [j0, j1); updates the running max m,
 // sum l and accumulator acc (rows padded to Rp, widths to Dkp / Dvp / Drp).
 template <typename T, int TILE>
@@ -267,7 +310,11 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
   constexpr int L = Vec<T>::L;
   constexpr int VT = TILE / L;  // vectors per tile row of scores
   const int64_t R = J.R, Dkp = J.Dkp, Dvp = J.Dvp, Drp = J.Drp;
-  const int RB = R >= 4 && kMaxRowBlock >= 4 ? 4 : (R >= 2 ? 2 : 1);
+  // AVX2, narrow rows (GQA / MHA heads of 64): 4 rows in blocks of 4 x 2 scores and 4 rows x 2 value vectors, so that
+  // each key and value vector is loaded once for 4 rows (8 accumulators); wide rows take the 2 x 6 blocks below
+  constexpr bool k6 = kWideKeys<T> > 0 && TILE % kWideKeys<T> == 0;
+  constexpr bool rows4 = kMaxRowBlock >= 4 || (KVLM_AVX2_ROWS4 && !k6);
+  const int RB = R >= 4 && rows4 ? 4 : (R >= 2 ? 2 : 1);
   const int64_t Rb = (R + RB - 1) / RB * RB;  // rows rounded to the row block (extra rows are zero queries)
   std::vector<V> kbuf_v(TILE * Dkp / L + 1), vbuf_v(TILE * Dvp / L + 1), krbuf_v(TILE * Drp / L + 1),
       zero_v(std::max({Dkp, Dvp, Drp}) / L + 1), s_v(Rb * VT);
@@ -288,34 +335,30 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
   int64_t page_i = j0 / J.P, row = j0 % J.P;
   for (int64_t t0 = j0; t0 < j1; t0 += TILE) {
     const int n = static_cast<int>(std::min<int64_t>(TILE, j1 - t0));
-    for (int jj = 0; jj < TILE; ++jj) {
-      if (jj >= n) {  // past the range: zero keys, their scores masked below
-        kp[jj] = vp[jj] = krp[jj] = zero;
-        continue;
-      }
+    // the tile's rows page by page: a run of rows in one page steps by the pool's row stride (a pointer per row
+    // from its page, group and row cost more instructions than MHA's dot products)
+    for (int jj = 0; jj < n;) {
       const int64_t page = tab[page_i];
-      kp[jj] = k_direct ? row_ptr<T>(J.k, page, g, row) : kbuf + jj * Dkp;
-      if (!k_direct) load_row<T>(J.k, page, g, row, kbuf + jj * Dkp, Dkp);
-      if (J.v_is_k) {
-        vp[jj] = kp[jj];
-      } else {
-        vp[jj] = v_direct ? row_ptr<T>(J.v, page, g, row) : vbuf + jj * Dvp;
-        if (!v_direct) load_row<T>(J.v, page, g, row, vbuf + jj * Dvp, Dvp);
+      const int run = static_cast<int>(std::min<int64_t>(n - jj, J.P - row));
+      page_rows<T>(J.k, k_direct, page, g, row, run, kbuf + jj * Dkp, Dkp, kp + jj);
+      if (!J.v_is_k) {
+        page_rows<T>(J.v, v_direct, page, g, row, run, vbuf + jj * Dvp, Dvp, vp + jj);
+        // the values (MHA / GQA) into L1 while the tile's scores are computed: the value loop's first touch of each
+        // row otherwise waits on L2 / memory (AVX2, kernel_micro: GQA-3 1.02-1.03x, MHA 1.03-1.04x)
+#ifndef KVLM_NO_V_PREFETCH
+        if (v_direct) prefetch_rows(vp[jj], run, J.v.s_row, J.v.D);
+#endif
       }
-      if (J.Dr) {
-        krp[jj] = kr_direct ? row_ptr<T>(J.kr, page, 0, row) : krbuf + jj * Drp;
-        if (!kr_direct) load_row<T>(J.kr, page, 0, row, krbuf + jj * Drp, Drp);
-      }
-      if (++row == J.P) {
+      if (J.Dr) page_rows<T>(J.kr, kr_direct, page, 0, row, run, krbuf + jj * Drp, Drp, krp + jj);
+      jj += run;
+      row += run;
+      if (row == J.P) {
         row = 0;
         ++page_i;
       }
     }
-    // this tile's values (MHA / GQA) into L1 while its scores are computed: the value loop's first touch of each row
-    // otherwise waits on L2 / memory (AVX2, kernel_micro: GQA-3 1.02-1.03x, MHA 1.03-1.04x)
-    if (!J.v_is_k && v_direct)
-      for (int jj = 0; jj < n; ++jj)
-        for (int64_t off = 0; off < J.v.D; off += 64 / sizeof(T)) __builtin_prefetch(vp[jj] + off, 0, 3);
+    for (int jj = n; jj < TILE; ++jj) kp[jj] = vp[jj] = krp[jj] = zero;  // past the range: zero keys, masked below
+    if (J.v_is_k) std::copy(kp, kp + n, vp);
     // prefetch the next tile's rows into L2 while this one is computed, those in later pages of the block table
     // only: the hardware's sequential prefetcher does not know the table, but it runs ahead within a page, where
     // prefetching too measured 0.95-0.97x (AVX2, pages of a whole sequence; pages of 16: 1.02-1.05x with it)
@@ -335,7 +378,6 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
       }
     }
     // AVX2, wide rows: blocks of 2 rows x 6 keys, keys outer so that 6 keys stay in L1 for all rows
-    constexpr bool k6 = kWideKeys<T> > 0 && TILE % kWideKeys<T> == 0;
     if (k6 && RB == 2) {
       constexpr int KW = k6 ? kWideKeys<T> : 4;
       for (int y0 = 0; y0 < TILE; y0 += KW)
@@ -352,31 +394,35 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
         }
         for (int y0 = 0; y0 < TILE; y0 += 4) {
           T* sb = s + r0 * TILE + y0;
-          if (RB == 4)
+          if (RB == 4 && KVLM_AVX2_ROWS4) {
+            score_block<T, 4, 2>(qrow, qrrow, kp + y0, krp + y0, Dkp, Drp, scale, sb, TILE);
+            score_block<T, 4, 2>(qrow, qrrow, kp + y0 + 2, krp + y0 + 2, Dkp, Drp, scale, sb + 2, TILE);
+          } else if (RB == 4)
             score_block<T, 4>(qrow, qrrow, kp + y0, krp + y0, Dkp, Drp, scale, sb, TILE);
           else if (RB == 2)
             score_block<T, 2>(qrow, qrrow, kp + y0, krp + y0, Dkp, Drp, scale, sb, TILE);
-          else
-            score_block<T, 1>(qrow, qrrow, kp + y0, krp + y0, Dkp, Drp, scale, sb, TILE);
+          else if (y0 % 8 == 0)  // one row: 8 keys a block (8 FMA chains), the tile's 32 keys in 4
+            score_block<T, 1, 8>(qrow, qrrow, kp + y0, krp + y0, Dkp, Drp, scale, sb, TILE);
         }
       }
     }
     // online softmax per row, TILE scores as VT vectors: mask, tile max, rescale, probabilities in place
-    V jv[VT];
-    for (int u = 0; u < VT; ++u)
-      for (int i = 0; i < L; ++i) jv[u][i] = static_cast<T>(t0 + u * L + i);
     for (int64_t r = 0; r < Rb; ++r) {
       V* sr = reinterpret_cast<V*>(s + r * TILE);
       if (r >= R) {
         for (int u = 0; u < VT; ++u) sr[u] = V{};
         continue;
       }
-      const T lo_r = static_cast<T>(lo[r]), hi_r = static_cast<T>(std::min<int64_t>(hi[r], t0 + n - 1));
-      T mt = ninf;
-      for (int u = 0; u < VT; ++u) {
-        sr[u] = (jv[u] < lo_r) | (jv[u] > hi_r) ? V{} + ninf : sr[u];
-        for (int i = 0; i < L; ++i) mt = std::max(mt, sr[u][i]);
-      }
+      const int64_t hi_r = std::min<int64_t>(hi[r], t0 + n - 1);
+      if (lo[r] > t0 || hi_r < t0 + TILE - 1)  // keys outside the row's window (or past the range): -inf
+        for (int u = 0; u < VT; ++u) {
+          V jv = kIota<T, VT>[u] + static_cast<T>(t0);
+          sr[u] = (jv < static_cast<T>(lo[r])) | (jv > static_cast<T>(hi_r)) ? V{} + ninf : sr[u];
+        }
+      V mv = sr[0];  // the tile's max: lanes of the vectors' max (one scalar chain of L, not TILE)
+      for (int u = 1; u < VT; ++u) mv = mv > sr[u] ? mv : sr[u];
+      T mt = mv[0];
+      for (int i = 1; i < L; ++i) mt = std::max(mt, mv[i]);
       const T mn = std::max(m[r], mt);
       if (mn == ninf) {  // nothing visible yet
         for (int u = 0; u < VT; ++u) sr[u] = V{};
@@ -400,11 +446,11 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
       const T* pb = s + r0 * TILE;
       T* ab = acc + r0 * Dvp;
       if (RB == 4)
-        value_block<T, 4>(pb, TILE, vp, n, Dvp, ab, Dvp);
+        value_block<T, 4, KVLM_AVX2_ROWS4 ? 2 : 4>(pb, TILE, vp, n, Dvp, ab, Dvp);
       else if (RB == 2)
         value_block<T, 2>(pb, TILE, vp, n, Dvp, ab, Dvp);
       else
-        value_block<T, 1>(pb, TILE, vp, n, Dvp, ab, Dvp);
+        value_block<T, 1, 8>(pb, TILE, vp, n, Dvp, ab, Dvp);  // 8 FMA chains
     }
   }
 }
