@@ -264,6 +264,20 @@ inline void prefetch_row(const Pool& p, int64_t page, int64_t g, int64_t row) {
 #endif
 }
 
+// Whether any lane of a vector compare's result is set.
+template <typename T, typename VI>
+inline bool any_lane(VI c) {
+#if KVLM_AVX2
+  if constexpr (sizeof(VI) == 32) {
+    const __m256i x = reinterpret_cast<__m256i>(c);
+    return !_mm256_testz_si256(x, x);
+  }
+#endif
+  for (int i = 0; i < Vec<T>::L; ++i)
+    if (c[i]) return true;
+  return false;
+}
+
 // Key offsets 0, 1, ..., VT L - 1 within a tile as VT vectors.
 template <typename T, int VT>
 inline const auto kIota = [] {
@@ -419,28 +433,34 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
           V jv = kIota<T, VT>[u] + static_cast<T>(t0);
           sr[u] = (jv < static_cast<T>(lo[r])) | (jv > static_cast<T>(hi_r)) ? V{} + ninf : sr[u];
         }
-      V mv = sr[0];  // the tile's max: lanes of the vectors' max (one scalar chain of L, not TILE)
-      for (int u = 1; u < VT; ++u) mv = mv > sr[u] ? mv : sr[u];
-      T mt = mv[0];
-      for (int i = 1; i < L; ++i) mt = std::max(mt, mv[i]);
-      const T mn = std::max(m[r], mt);
-      if (mn == ninf) {  // nothing visible yet
+      // the running max moves rarely after the first tiles: a compare finds whether it does (a branch the core
+      // predicts, so that the exponentials need not wait on a reduction), and only then is the tile's max reduced
+      // and what the row has summed rescaled
+      const V vm = V{} + m[r];
+      auto up = sr[0] > vm;
+      for (int u = 1; u < VT; ++u) up |= sr[u] > vm;
+      if (any_lane<T>(up)) {
+        V mv = sr[0];
+        for (int u = 1; u < VT; ++u) mv = mv > sr[u] ? mv : sr[u];
+        T mt = mv[0];
+        for (int i = 1; i < L; ++i) mt = std::max(mt, mv[i]);
+        const T alpha = std::exp(m[r] - mt);  // exp(-inf) = 0 on the first visible tile
+        l[r] *= alpha;
+        m[r] = mt;
+        T* ar = acc + r * Dvp;
+        for (int64_t d = 0; d < Dvp; d += L) *reinterpret_cast<V*>(ar + d) *= alpha;
+      } else if (m[r] == ninf) {  // nothing visible yet
         for (int u = 0; u < VT; ++u) sr[u] = V{};
         continue;
       }
-      const T alpha = std::exp(m[r] - mn);  // exp(-inf) = 0 on the first visible tile
+      const V vmax = V{} + m[r];
       V sum = V{};
       for (int u = 0; u < VT; ++u) {
-        const V p = vexp<T>(sr[u] - mn);
+        const V p = vexp<T>(sr[u] - vmax);
         sr[u] = sr[u] == ninf ? V{} : p;
         sum += sr[u];
       }
-      l[r] = l[r] * alpha + hsum<T>(sum);
-      m[r] = mn;
-      if (alpha != T(1)) {
-        T* ar = acc + r * Dvp;
-        for (int64_t d = 0; d < Dvp; d += L) *reinterpret_cast<V*>(ar + d) *= alpha;
-      }
+      l[r] += hsum<T>(sum);
     }
     for (int64_t r0 = 0; r0 < Rb; r0 += RB) {
       const T* pb = s + r0 * TILE;

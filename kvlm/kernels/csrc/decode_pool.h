@@ -28,6 +28,15 @@ inline float e4m3_to_float(uint8_t b) {
   return f;
 }
 
+// Every float8 e4m3fn code as a float: the portable path widens a row by lookups (a code's bit fields cost a
+// branch or two per element).
+inline const struct E4M3Table {
+  float f[256];
+  E4M3Table() {
+    for (int b = 0; b < 256; ++b) f[b] = e4m3_to_float(static_cast<uint8_t>(b));
+  }
+} kE4M3;
+
 // A cached tensor read through the block table: pool (N, [G,] P, D) with arbitrary strides, optional
 // per-token scale (N, [G,] P, 1).
 struct Pool {
@@ -71,7 +80,7 @@ inline void load_row(const Pool& p, int64_t page, int64_t g, int64_t row, T* dst
     case DType::f8: {
       const uint8_t* src = static_cast<const uint8_t*>(p.data) + off;
       const T s = p.scale ? static_cast<T>(p.scale[page * p.sc_page + g * p.sc_group + row * p.sc_row]) : T(1);
-      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(e4m3_to_float(src[d])) * s;
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(kE4M3.f[src[d]]) * s;
       break;
     }
     case DType::i8: {
