@@ -1,6 +1,7 @@
 // AVX2 pieces of the portable decode path (decode_core.h includes this where KVLM_AVX2): horizontal sums of score
 // accumulators. 16 registers of 8 floats hold at most 2 query rows x 6 keys of accumulators, the 2 query vectors
-// and a key; decode_core.h's score_block takes that shape for the wide (latent) tiles, 2 x 4 for narrow ones.
+// and a key; decode_core.h's score_block takes that shape for the wide (latent) tiles, 4 x 2 for narrow ones (GQA's
+// 4 rows a group; 2 x 4 for 2 rows) and 1 x 8 for one row.
 #pragma once
 
 namespace kvlm_decode {
