@@ -143,18 +143,6 @@ inline void prefetch_row(const Pool& p, int64_t page, int64_t g, int64_t row) {
 #endif
 }
 
-// Key offsets 0, 1, ..., VT L - 1 within a tile as VT vectors.
-template <typename T, int VT>
-inline const auto kIota = [] {
-  struct {
-    typename Vec<T>::type v[VT];
-    const typename Vec<T>::type& operator[](int u) const { return v[u]; }
-  } iota{};
-  for (int u = 0; u < VT; ++u)
-    for (int i = 0; i < Vec<T>::L; ++i) iota.v[u][i] = static_cast<T>(u * Vec<T>::L + i);
-  return iota;
-}();
-
 // Rows [row, row + n) of one page of `p` as pointers: in place, or widened into buf (rows Dp apart).
 template <typename T>
 inline void page_rows(const Pool& p, bool direct, int64_t page, int64_t g, int64_t row, int n, T* buf, int64_t Dp,
@@ -211,6 +199,9 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
   const int32_t* tab = J.table + b * J.max_blocks;
   const T ninf = -std::numeric_limits<T>::infinity();
   const T scale = static_cast<T>(J.scale);
+  V iota[VT];  // key offsets 0 .. TILE - 1 within a tile
+  for (int u = 0; u < VT; ++u)
+    for (int i = 0; i < L; ++i) iota[u][i] = static_cast<T>(u * L + i);
   int64_t page_i = j0 / J.P, row = j0 % J.P;
   for (int64_t t0 = j0; t0 < j1; t0 += TILE) {
     const int n = static_cast<int>(std::min<int64_t>(TILE, j1 - t0));
@@ -223,7 +214,7 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
       if (!J.v_is_k) {
         page_rows<T>(J.v, v_direct, page, g, row, run, vbuf + jj * Dvp, Dvp, vp + jj);
         // the values (MHA / GQA) into L1 while the tile's scores are computed: the value loop's first touch of each
-        // row otherwise waits on L2 / memory (AVX2, kernel_micro: GQA-3 1.02-1.03x, MHA 1.03-1.04x)
+        // row otherwise waits on L2 / memory (AVX2, kernel_micro: GQA-3 1.02-1.14x, MHA 1.00-1.04x)
 #ifndef KVLM_NO_V_PREFETCH
         if (v_direct) prefetch_rows(vp[jj], run, J.v.s_row, J.v.D);
 #endif
@@ -295,7 +286,7 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
       const int64_t hi_r = std::min<int64_t>(hi[r], t0 + n - 1);
       if (lo[r] > t0 || hi_r < t0 + TILE - 1)  // keys outside the row's window (or past the range): -inf
         for (int u = 0; u < VT; ++u) {
-          V jv = kIota<T, VT>[u] + static_cast<T>(t0);
+          const V jv = iota[u] + static_cast<T>(t0);
           sr[u] = (jv < static_cast<T>(lo[r])) | (jv > static_cast<T>(hi_r)) ? V{} + ninf : sr[u];
         }
       // the running max moves rarely after the first tiles: a compare finds whether it does (a branch the core
