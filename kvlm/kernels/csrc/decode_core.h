@@ -193,6 +193,7 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
   const bool k_direct = in_place<T>(J.k), v_direct = in_place<T>(J.v), kr_direct = J.Dr && in_place<T>(J.kr);
   const T* kp[TILE];
   const T* vp[TILE];
+  const T* const* vrows = J.v_is_k ? kp : vp;  // the value rows: a latent's are its keys
   const T* krp[TILE];
   const T* qrow[4];
   const T* qrrow[4];
@@ -228,7 +229,6 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
       }
     }
     for (int jj = n; jj < TILE; ++jj) kp[jj] = vp[jj] = krp[jj] = zero;  // past the range: zero keys, masked below
-    if (J.v_is_k) std::copy(kp, kp + n, vp);
     // prefetch the next tile's rows into L2 while this one is computed, those in later pages of the block table
     // only: the hardware's sequential prefetcher does not know the table, but it runs ahead within a page, where
     // prefetching too measured 0.95-0.97x (AVX2, pages of a whole sequence; pages of 16: 1.02-1.05x with it)
@@ -292,7 +292,7 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
       // the running max moves rarely after the first tiles: a compare finds whether it does (a branch the core
       // predicts, so that the exponentials need not wait on a reduction), and only then is the tile's max reduced
       // and what the row has summed rescaled
-      const V vm = V{} + m[r];
+      V vm = V{} + m[r];
       auto up = sr[0] > vm;
       for (int u = 1; u < VT; ++u) up |= sr[u] > vm;
       if (any_lane<T>(up)) {
@@ -303,16 +303,16 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
         const T alpha = std::exp(m[r] - mt);  // exp(-inf) = 0 on the first visible tile
         l[r] *= alpha;
         m[r] = mt;
+        vm = V{} + mt;
         T* ar = acc + r * Dvp;
         for (int64_t d = 0; d < Dvp; d += L) *reinterpret_cast<V*>(ar + d) *= alpha;
       } else if (m[r] == ninf) {  // nothing visible yet
         for (int u = 0; u < VT; ++u) sr[u] = V{};
         continue;
       }
-      const V vmax = V{} + m[r];
       V sum = V{};
       for (int u = 0; u < VT; ++u) {
-        const V p = vexp<T>(sr[u] - vmax);
+        const V p = vexp<T>(sr[u] - vm);
         sr[u] = sr[u] == ninf ? V{} : p;
         sum += sr[u];
       }
@@ -322,11 +322,11 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
       const T* pb = s + r0 * TILE;
       T* ab = acc + r0 * Dvp;
       if (RB == 4)
-        value_block<T, 4, KVLM_AVX2_ROWS4 ? 2 : 4>(pb, TILE, vp, n, Dvp, ab, Dvp);
+        value_block<T, 4, KVLM_AVX2_ROWS4 ? 2 : 4>(pb, TILE, vrows, n, Dvp, ab, Dvp);
       else if (RB == 2)
-        value_block<T, 2>(pb, TILE, vp, n, Dvp, ab, Dvp);
+        value_block<T, 2>(pb, TILE, vrows, n, Dvp, ab, Dvp);
       else
-        value_block<T, 1, 8>(pb, TILE, vp, n, Dvp, ab, Dvp);  // 8 FMA chains
+        value_block<T, 1, 8>(pb, TILE, vrows, n, Dvp, ab, Dvp);  // 8 FMA chains
     }
   }
 }
