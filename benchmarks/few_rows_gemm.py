@@ -7,6 +7,11 @@ prefetch distances as arguments (the package's, kvlm/kernels/csrc/few_rows.h, fi
 into L2 and 2 KiB into L1: ``--prefetch -32768 --near 2048``).
 
     OMP_NUM_THREADS=2 python benchmarks/few_rows_gemm.py 1 2 4 8 16     # ~2 min after a ~1 min build
+    OMP_NUM_THREADS=2 python benchmarks/few_rows_gemm.py 4 8 --baseline HEAD --no-libraries --rounds 21
+        # the package's kernel against git revision HEAD's sources (kernel_micro.py's build_baseline), alone
+
+With ``--baseline`` each row count also prints ``package@REV / package``: the median over rounds of each round's
+ratio (the arms alternate within a round, so the machine's drift moves both).
 
 Weights: the reference shape's projections (fused q/k/v, output, fused gate/up, down; 6 layers) and the LM head,
 268 MB, allocated in 2 MiB pages as ``prepare_for_inference`` leaves them. Each line: the median over rounds of
@@ -54,9 +59,18 @@ def main() -> None:
     ap.add_argument("--prefetch", type=int, nargs="+", default=[0, 16384, -32768],
                     help="prefetch distances in bytes: > 0 into L1, < 0 into L2 (with --near into L1)")
     ap.add_argument("--near", type=int, default=2048, help="with an L2 distance, also this far into L1 (0: not)")
+    ap.add_argument("--baseline", metavar="REV", help="also the package's kernel built from git revision REV's sources")
+    ap.add_argument("--define", nargs="+", default=[], metavar="NAME[=VALUE]",
+                    help="build knobs for the --baseline build (e.g. KVLM_FEW_SPREAD=4096: few_rows.h lists them)")
+    ap.add_argument("--no-libraries", action="store_true", help="leave out F.linear, MKL's and oneDNN's arms")
     args = ap.parse_args()
     # the experiment's kernel is AVX-512's; on other CPUs (AVX2) the package's arms and the libraries' run alone
-    ext = build() if "avx512f" in Path("/proc/cpuinfo").read_text() else None
+    ext = build() if "avx512f" in Path("/proc/cpuinfo").read_text() and not args.no_libraries else None
+    base = None
+    if args.baseline:
+        from kernel_micro import build_baseline  # this folder
+
+        base = build_baseline(args.baseline, tuple(args.define))
     shapes = [(3 * D, D), (D, D), (2 * FFN, D), (D, FFN)] * 6 + [(VOCAB, D)]
     weights = []
     for o, i in shapes:
@@ -68,7 +82,7 @@ def main() -> None:
     print(f"{torch.get_num_threads()} threads, {mb:.0f} MB of weights; ms (GB/s)", flush=True)
     for M in args.rows:
         xs = {i: torch.randn(M, i) for i in (D, FFN)}
-        calls = {"F.linear": lambda xs=xs: [F.linear(xs[w.shape[1]], w) for w in weights]}
+        calls = {} if args.no_libraries else {"F.linear": lambda xs=xs: [F.linear(xs[w.shape[1]], w) for w in weights]}
         for pfd in args.prefetch if ext is not None else []:
             calls[f"few pf{pfd}"] = lambda xs=xs, pfd=pfd: [
                 ext.few_rows(xs[w.shape[1]], w, pfd, 8, args.near) for w in weights
@@ -78,17 +92,27 @@ def main() -> None:
                 torch.testing.assert_close(
                     got, ref, rtol=1e-4, atol=1e-3
                 )  # K products summed in another order
-        if M >= 2:
+        if M >= 2 and not args.no_libraries:
             packed = [torch.ops.mkl._mkl_reorder_linear_weight(w, M) for w in weights]
             calls["MKL packed"] = lambda xs=xs, packed=packed, M=M: [
                 torch.ops.mkl._mkl_linear(xs[w.shape[1]], p, w, None, M) for w, p in zip(weights, packed)
             ]
-        blocked = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]  # ANY_ROWS: any M
-        calls["oneDNN packed"] = lambda xs=xs, blocked=blocked: [
-            torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "") for w, p in zip(weights, blocked)
-        ]
+        if not args.no_libraries:
+            blocked = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]  # ANY_ROWS: any M
+            calls["oneDNN packed"] = lambda xs=xs, blocked=blocked: [
+                torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "")
+                for w, p in zip(weights, blocked)
+            ]
         if package is not None and hasattr(package, "few_rows_linear"):
             calls["package"] = lambda xs=xs: [package.few_rows_linear(xs[w.shape[1]], [w], [None]) for w in weights]
+        if base is not None:
+            calls[f"package@{args.baseline}"] = lambda xs=xs: [
+                base.few_rows_linear(xs[w.shape[1]], [w], [None]) for w in weights
+            ]
+            for w in weights[:4] + weights[-1:]:  # the two builds compute the same product
+                x = xs[w.shape[1]]
+                torch.testing.assert_close(base.few_rows_linear(x, [w], [None]), F.linear(x, w), rtol=1e-4, atol=1e-3)
+                torch.testing.assert_close(package.few_rows_linear(x, [w], [None]), F.linear(x, w), rtol=1e-4, atol=1e-3)
         if panels:
             calls["panels"] = lambda xs=xs: [
                 package.panel_linear(xs[w.shape[1]], p, w.shape[0], None) for w, p in zip(weights, panels)
@@ -108,6 +132,9 @@ def main() -> None:
             f"M={M}: " + "  ".join(f"{k} {t * 1e3:.1f} ({mb / t / 1e3:.1f})" for k, t in med.items()),
             flush=True,
         )
+        if base is not None:
+            ratio = statistics.median(o / n for o, n in zip(times[f"package@{args.baseline}"], times["package"]))
+            print(f"M={M}: package@{args.baseline} / package {ratio:.3f}", flush=True)
 
 
 if __name__ == "__main__":

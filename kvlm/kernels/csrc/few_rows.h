@@ -19,7 +19,8 @@
 // and the near one then only moves lines from L2. Measured on the AMD EPYC at 8 rows (benchmarks/few_rows_gemm.py,
 // interleaved): 1.35-1.48x faster than 16 KiB ahead into L1 alone while the machine streamed 55-60 GB/s, 1.05x while
 // others held it at ~37 (a prefetch into L1 alone was itself 1.3-1.6x faster than none); at 1-2 rows the hardware
-// prefetchers alone are fastest.
+// prefetchers alone are fastest. AVX2 (few_rows_avx2.h) from 8 rows spreads its prefetch over the passes instead
+// (groups_4xn below).
 #pragma once
 
 #if KVLM_AVX512 || KVLM_AVX2
@@ -41,6 +42,13 @@ namespace few_rows {
 #define KVLM_FEW_NEAR 2048
 #endif
 constexpr int64_t kFarBytes = KVLM_FEW_FAR, kNearBytes = KVLM_FEW_NEAR;  // into L2, into L1: from 4 rows on
+#ifndef KVLM_FEW_SPREAD  // build knob for measuring: AVX2's prefetch distance from 4 rows on (few_rows_avx2.h)
+#define KVLM_FEW_SPREAD 16384
+#endif
+#ifndef KVLM_FEW_SPREAD_PASSES  // build knob: the spread prefetch from this many passes of 4 rows (else far / near)
+#define KVLM_FEW_SPREAD_PASSES 2
+#endif
+constexpr int64_t kSpreadBytes = KVLM_FEW_SPREAD;
 #ifndef KVLM_FEW_MAX_RB  // build knob for measuring: the largest row block (8 or 4)
 #define KVLM_FEW_MAX_RB 8
 #endif
@@ -154,16 +162,44 @@ inline void row_blocks(int64_t M, F&& f) {
   if (M - r >= 1) f(std::integral_constant<int, 1>(), r);
 }
 
+#if KVLM_AVX2 && !defined(KVLM_NO_4X3)
+// AVX2, M4 = 4, 8, ... rows of x: the weight rows [n0, n1) in groups of 3 (the last 4 or 2 as 2 + 2: no FMAs on
+// repeated rows), each group against each 4 rows of x in turn (few_rows_avx2.h's block_4xn: one pass a 4 rows).
+// From two passes on (8 rows) each pass prefetches into L1 its share of the group's size in lines kSpreadBytes
+// ahead, one or two a step: prefetched by the first pass alone, memory stood idle while the later passes computed
+// from L1 (memory and work took turns on the Zen 3 EPYC: 8 rows x 268 MB of weights 1.10x faster spread,
+// benchmarks/decode-limit.md; 9-32 KiB ahead level, 4 KiB 0.87x).
+template <bool SPREAD>
+inline void groups_4xn(const float* x, int64_t M4, const float* w, int64_t K, int64_t n0, int64_t n1, float* y,
+                       int64_t ys, const float* bias) {
+  const int64_t passes = M4 / 4;
+  for (int64_t n = n0; n < n1;) {
+    const int64_t left = n1 - n, nb = left == 4 || left == 2 ? 2 : std::min<int64_t>(3, left);
+    const int64_t lines = SPREAD ? (nb * K * 4 + 63) / 64 : 0;
+    const char* ahead = reinterpret_cast<const char*>(w + n * K) + kSpreadBytes;
+    for (int64_t r = 0; r < M4; r += 4) {
+      const int64_t l0 = lines * (r / 4) / passes, l1 = lines * (r / 4 + 1) / passes;
+      const auto run = [&](auto nb_tag) {
+        block_4xn<decltype(nb_tag)::value, SPREAD>(x + r * K, w + n * K, K, y + r * ys + n, ys,
+                                                   bias ? bias + n : nullptr, r == 0, ahead + l0 * 64, l1 - l0);
+      };
+      if (nb == 3) run(std::integral_constant<int, 3>());
+      else if (nb == 2) run(std::integral_constant<int, 2>());
+      else run(std::integral_constant<int, 1>());
+    }
+    n += nb;
+  }
+}
+#endif
+
 // The 16 weight rows [n0, n1) of one weight against every row of x (M rows), by row blocks of 8, 4, 2, 1.
 inline void rows_block(const float* x, int64_t M, const float* w, int64_t K, int64_t n0, int64_t n1, float* y,
                        int64_t ys, const float* bias) {
 #if KVLM_AVX2 && !defined(KVLM_NO_4X3)
-  if (M >= 4) {  // AVX2: 3 weight rows at a time against each 4 rows of x (few_rows_avx2.h), then the rest
+  if (M >= 4) {  // AVX2: groups of weight rows against each 4 rows of x, then the rest
     const int64_t M4 = M / 4 * 4;
-    for (int64_t n = n0; n < n1; n += 3)
-      for (int64_t r = 0; r < M4; r += 4)
-        block_4x3(x + r * K, w + n * K, K, static_cast<int>(std::min<int64_t>(3, n1 - n)), y + r * ys + n, ys,
-                  bias ? bias + n : nullptr, r == 0);
+    if (M4 / 4 >= KVLM_FEW_SPREAD_PASSES) groups_4xn<true>(x, M4, w, K, n0, n1, y, ys, bias);
+    else groups_4xn<false>(x, M4, w, K, n0, n1, y, ys, bias);
     if (M4 < M) rows_block(x + M4 * K, M - M4, w, K, n0, n1, y + M4 * ys, ys, bias);
     return;
   }
