@@ -33,6 +33,10 @@ template <typename T>
 constexpr int kWideKeys = KVLM_AVX2 && std::is_same<T, float>::value ? 6 : 0;
 template <typename T>
 constexpr int kWideTile = kWideKeys<T> ? 4 * kWideKeys<T> : 16;
+#ifndef KVLM_SPREAD_TILES  // build knob for measuring: how many tiles ahead wide rows are prefetched (attend_range_t)
+#define KVLM_SPREAD_TILES 2
+#endif
+constexpr int kSpreadTiles = KVLM_SPREAD_TILES;
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -143,6 +147,18 @@ inline void prefetch_row(const Pool& p, int64_t page, int64_t g, int64_t row) {
 #endif
 }
 
+// The 64-byte lines of rows [t, t + n) of group g of `p` (pages of P rows through the block table tab), into out.
+inline void tile_lines(const Pool& p, const int32_t* tab, int64_t P, int64_t g, int64_t t, int64_t n,
+                       std::vector<const char*>& out) {
+  static const int size[] = {4, 8, 2, 1, 1};  // bytes per element of DType f32, f64, bf16, i8, f8
+  const int es = size[static_cast<int>(p.dtype)];
+  for (int64_t j = t; j < t + n; ++j) {
+    const char* base =
+        static_cast<const char*>(p.data) + (tab[j / P] * p.s_page + g * p.s_group + j % P * p.s_row) * es;
+    for (int64_t off = 0; off < p.D * es; off += 64) out.push_back(base + off);
+  }
+}
+
 // Rows [row, row + n) of one page of `p` as pointers: in place, or widened into buf (rows Dp apart).
 template <typename T>
 inline void page_rows(const Pool& p, bool direct, int64_t page, int64_t g, int64_t row, int n, T* buf, int64_t Dp,
@@ -203,6 +219,28 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
   V iota[VT];  // key offsets 0 .. TILE - 1 within a tile
   for (int u = 0; u < VT; ++u)
     for (int i = 0; i < L; ++i) iota[u][i] = static_cast<T>(u * L + i);
+  // wide rows read in place (MLA's float32 latent: compute-heavy tiles): the lines of the tile kSpreadTiles ahead
+  // into L2, a share of them before each score and value block, so that memory streams while the FMAs run (left to
+  // the hardware's stream, memory stood idle while a tile was computed; as the AVX-512 path's SPREAD). Measured
+  // on the Zen 3 EPYC (kernel_micro.py): MLA 1.09x, pages of 16 1.16x; 1 tile ahead 0.97x of 2, 3 level; for int8 /
+  // fp8 latents, widened at the tile's start, 0.95-0.96x (not spread)
+#ifndef KVLM_NO_SPREAD
+  const bool spread = k6 && RB == 2 && J.v_is_k && k_direct && (!J.Dr || kr_direct);
+#else
+  const bool spread = false;
+#endif
+  std::vector<const char*> lines;
+  const auto list_lines = [&](int64_t t) {  // the lines of the tile at t (none past j1)
+    lines.clear();
+    const int64_t nt = std::max<int64_t>(0, std::min<int64_t>(TILE, j1 - t));
+    tile_lines(J.k, tab, J.P, g, t, nt, lines);
+    if (J.Dr) tile_lines(J.kr, tab, J.P, 0, t, nt, lines);
+  };
+  size_t pl = 0, per_block = 0;
+  const auto issue = [&](size_t count) {
+    for (const size_t e = std::min(lines.size(), pl + count); pl < e; ++pl) __builtin_prefetch(lines[pl], 0, 2);
+  };
+  for (int k = 1; spread && k < kSpreadTiles; ++k) list_lines(j0 + k * TILE), issue(lines.size());
   int64_t page_i = j0 / J.P, row = j0 % J.P;
   for (int64_t t0 = j0; t0 < j1; t0 += TILE) {
     const int n = static_cast<int>(std::min<int64_t>(TILE, j1 - t0));
@@ -229,10 +267,15 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
       }
     }
     for (int jj = n; jj < TILE; ++jj) kp[jj] = vp[jj] = krp[jj] = zero;  // past the range: zero keys, masked below
-    // prefetch the next tile's rows into L2 while this one is computed, those in later pages of the block table
-    // only: the hardware's sequential prefetcher does not know the table, but it runs ahead within a page, where
-    // prefetching too measured 0.95-0.97x (AVX2, pages of a whole sequence; pages of 16: 1.02-1.05x with it)
-    {
+    if (spread) {
+      list_lines(t0 + kSpreadTiles * TILE);
+      pl = 0;
+      const size_t blocks = (TILE / std::max(1, kWideKeys<T>) + 1) * (Rb / 2);  // the tile's score and value blocks
+      per_block = (lines.size() + blocks - 1) / blocks;
+    } else {
+      // else the next tile's rows into L2 while this one is computed, those in later pages of the block table
+      // only: the hardware's sequential prefetcher does not know the table, but it runs ahead within a page, where
+      // prefetching too measured 0.95-0.97x (AVX2, pages of a whole sequence; pages of 16: 1.02-1.05x with it)
       const int nn = static_cast<int>(std::min<int64_t>(TILE, j1 - t0 - n));
       const int same_page = row > 0 ? static_cast<int>(std::min<int64_t>(nn, J.P - row)) : 0;  // hardware's stream
       int64_t pi = page_i + (row + same_page == J.P), rw = (row + same_page) % J.P;
@@ -254,6 +297,7 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
         for (int64_t r0 = 0; r0 < Rb; r0 += 2) {
           const T* qx[2] = {q + r0 * Dkp, q + (r0 + 1) * Dkp};
           const T* qrx[2] = {qr + r0 * Drp, qr + (r0 + 1) * Drp};
+          if (spread) issue(per_block);
           score_block<T, 2, KW>(qx, qrx, kp + y0, krp + y0, Dkp, Drp, scale, s + r0 * TILE + y0, TILE);
         }
     } else {
@@ -323,9 +367,10 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
       T* ab = acc + r0 * Dvp;
       if (RB == 4)
         value_block<T, 4, KVLM_AVX2_ROWS4 ? 2 : 4>(pb, TILE, vrows, n, Dvp, ab, Dvp);
-      else if (RB == 2)
+      else if (RB == 2) {
+        if (spread) issue(per_block);
         value_block<T, 2>(pb, TILE, vrows, n, Dvp, ab, Dvp);
-      else
+      } else
         value_block<T, 1, 8>(pb, TILE, vrows, n, Dvp, ab, Dvp);  // 8 FMA chains
     }
   }
