@@ -48,6 +48,9 @@ constexpr int64_t kFarBytes = KVLM_FEW_FAR, kNearBytes = KVLM_FEW_NEAR;  // into
 #ifndef KVLM_FEW_SPREAD_PASSES  // build knob: the spread prefetch from this many passes of 4 rows (else far / near)
 #define KVLM_FEW_SPREAD_PASSES 2
 #endif
+#ifndef KVLM_FEW_SPREAD_HINT  // build knob: where the spread prefetch puts the lines (_MM_HINT_T1: L2)
+#define KVLM_FEW_SPREAD_HINT _MM_HINT_T0
+#endif
 constexpr int64_t kSpreadBytes = KVLM_FEW_SPREAD;
 #ifndef KVLM_FEW_MAX_RB  // build knob for measuring: the largest row block (8 or 4)
 #define KVLM_FEW_MAX_RB 8
