@@ -42,7 +42,7 @@ namespace few_rows {
 #define KVLM_FEW_NEAR 2048
 #endif
 constexpr int64_t kFarBytes = KVLM_FEW_FAR, kNearBytes = KVLM_FEW_NEAR;  // into L2, into L1: from 4 rows on
-#ifndef KVLM_FEW_SPREAD  // build knob for measuring: AVX2's prefetch distance from 4 rows on (few_rows_avx2.h)
+#ifndef KVLM_FEW_SPREAD  // build knob for measuring: AVX2's spread prefetch distance (groups_4xn, from 8 rows)
 #define KVLM_FEW_SPREAD 16384
 #endif
 #ifndef KVLM_FEW_SPREAD_PASSES  // build knob: the spread prefetch from this many passes of 4 rows (else far / near)
@@ -170,7 +170,7 @@ inline void row_blocks(int64_t M, F&& f) {
 // repeated rows), each group against each 4 rows of x in turn (few_rows_avx2.h's block_4xn: one pass a 4 rows).
 // From two passes on (8 rows) each pass prefetches into L1 its share of the group's size in lines kSpreadBytes
 // ahead, one or two a step: prefetched by the first pass alone, memory stood idle while the later passes computed
-// from L1 (memory and work took turns on the Zen 3 EPYC: 8 rows x 268 MB of weights 1.10x faster spread,
+// from L1 (memory and work took turns on the Zen 3 EPYC: 8 rows x 268 MB of weights 1.14x faster spread,
 // benchmarks/decode-limit.md; 9-32 KiB ahead level, 4 KiB 0.87x).
 template <bool SPREAD>
 inline void groups_4xn(const float* x, int64_t M4, const float* w, int64_t K, int64_t n0, int64_t n1, float* y,
