@@ -138,24 +138,29 @@ inline const T* row_ptr(const Pool& p, int64_t page, int64_t g, int64_t row) {
   return static_cast<const T*>(p.data) + page * p.s_page + g * p.s_group + row * p.s_row;
 }
 
-inline void prefetch_row(const Pool& p, int64_t page, int64_t g, int64_t row) {
+// Row (page, group, row) of `p` as bytes, and the row's length in bytes.
+inline const char* row_bytes(const Pool& p, int64_t page, int64_t g, int64_t row, int64_t* len) {
   static const int size[] = {4, 8, 2, 1, 1};  // bytes per element of DType f32, f64, bf16, i8, f8
   const int es = size[static_cast<int>(p.dtype)];
-  const char* base = static_cast<const char*>(p.data) + (page * p.s_page + g * p.s_group + row * p.s_row) * es;
+  *len = p.D * es;
+  return static_cast<const char*>(p.data) + (page * p.s_page + g * p.s_group + row * p.s_row) * es;
+}
+
+inline void prefetch_row(const Pool& p, int64_t page, int64_t g, int64_t row) {
+  int64_t len;
+  const char* base = row_bytes(p, page, g, row, &len);
 #ifndef KVLM_NO_PREFETCH
-  for (int64_t off = 0; off < p.D * es; off += 64) __builtin_prefetch(base + off, 0, 2);
+  for (int64_t off = 0; off < len; off += 64) __builtin_prefetch(base + off, 0, 2);
 #endif
 }
 
 // The 64-byte lines of rows [t, t + n) of group g of `p` (pages of P rows through the block table tab), into out.
 inline void tile_lines(const Pool& p, const int32_t* tab, int64_t P, int64_t g, int64_t t, int64_t n,
                        std::vector<const char*>& out) {
-  static const int size[] = {4, 8, 2, 1, 1};  // bytes per element of DType f32, f64, bf16, i8, f8
-  const int es = size[static_cast<int>(p.dtype)];
   for (int64_t j = t; j < t + n; ++j) {
-    const char* base =
-        static_cast<const char*>(p.data) + (tab[j / P] * p.s_page + g * p.s_group + j % P * p.s_row) * es;
-    for (int64_t off = 0; off < p.D * es; off += 64) out.push_back(base + off);
+    int64_t len;
+    const char* base = row_bytes(p, tab[j / P], g, j % P, &len);
+    for (int64_t off = 0; off < len; off += 64) out.push_back(base + off);
   }
 }
 
