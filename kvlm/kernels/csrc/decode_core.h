@@ -77,14 +77,15 @@ inline void score_block(const T* const* q, const T* const* qr, const T* const* k
   store_sums<T, RB, KB>(a, scale, s, stride);
 }
 
-// acc[x] += sum_j p[x][j] v_j for RB rows: two vectors of the value width at a time, so 2 RB independent
-// FMA chains hide the FMA latency (one vector per row is only RB chains: half the FMA throughput).
+// acc[x] += sum_j p[x][j] v_j for RB rows, columns [d0, Dv): two vectors of the value width at a time, so 2 RB
+// independent FMA chains hide the FMA latency (one vector per row is only RB chains: half the FMA throughput).
 // ZW vectors at a time first: RB = 4 on AVX2 holds 2 (4 x 4 accumulators would be all 16 registers), one row 8.
 template <typename T, int RB, int ZW = 4>
-inline void value_block(const T* p, int stride, const T* const* vp, int n, int64_t Dv, T* acc, int64_t acc_stride) {
+inline void value_block(const T* p, int stride, const T* const* vp, int n, int64_t Dv, T* acc, int64_t acc_stride,
+                        int64_t d0 = 0) {
   using V = typename Vec<T>::type;
   constexpr int L = Vec<T>::L;
-  int64_t d = 0;
+  int64_t d = d0;
   for (; d + ZW * L <= Dv; d += ZW * L) {  // RB ZW accumulators: each value vector and probability loaded for ZW FMAs
     V a[RB][ZW];
     for (int x = 0; x < RB; ++x)
@@ -204,20 +205,26 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
   constexpr bool rows4 = kMaxRowBlock >= 4 || (KVLM_AVX2_ROWS4 && !k6);
   const int RB = R >= 4 && rows4 ? 4 : (R >= 2 ? 2 : 1);
   const int64_t Rb = (R + RB - 1) / RB * RB;  // rows rounded to the row block (extra rows are zero queries)
-  std::vector<V> kbuf_v(TILE * Dkp / L + 1), vbuf_v(TILE * Dvp / L + 1), krbuf_v(TILE * Drp / L + 1),
-      zero_v(std::max({Dkp, Dvp, Drp}) / L + 1), s_v(Rb * VT);
+  // narrow rows with values of their own (MHA, GQA): the values of tile t - 1 are computed between the score
+  // blocks of tile t, and tile t's value rows prefetched a share per score block, so that memory streams K and V
+  // through the whole tile; a tile's scores, softmax and values in turn left memory idle through the softmax and
+  // the values' own burst (one core, GQA-3 from memory: work and memory took turns, 10 GB/s where a plain read of
+  // the same bytes reads 18; narrow_heads.cpp)
+#ifndef KVLM_NO_PIPE
+  const bool pipe = !J.v_is_k;
+#else
+  const bool pipe = false;
+#endif
+  const bool k_direct = in_place<T>(J.k), v_direct = in_place<T>(J.v), kr_direct = J.Dr && in_place<T>(J.kr);
+  // buffers for rows widened from another dtype (none for rows read in place), zero keys past the range, scores
+  std::vector<V> kbuf_v(k_direct ? 0 : TILE * Dkp / L + 1), vbuf_v(v_direct ? 0 : 2 * TILE * Dvp / L + 1),
+      krbuf_v(kr_direct ? 0 : TILE * Drp / L + 1), zero_v(std::max({Dkp, Dvp, Drp}) / L + 1), s_v(2 * Rb * VT);
   T* kbuf = reinterpret_cast<T*>(kbuf_v.data());
-  T* vbuf = reinterpret_cast<T*>(vbuf_v.data());
   T* krbuf = reinterpret_cast<T*>(krbuf_v.data());
   const T* zero = reinterpret_cast<const T*>(zero_v.data());
-  T* s = reinterpret_cast<T*>(s_v.data());
-  const bool k_direct = in_place<T>(J.k), v_direct = in_place<T>(J.v), kr_direct = J.Dr && in_place<T>(J.kr);
   const T* kp[TILE];
-  const T* vp[TILE];
-  const T* const* vrows = J.v_is_k ? kp : vp;  // the value rows: a latent's are its keys
+  const T* vp2[2][TILE];  // a tile's value rows; two when pipelined (the last tile's are read during this one)
   const T* krp[TILE];
-  const T* qrow[4];
-  const T* qrrow[4];
   const int32_t* tab = J.table + b * J.max_blocks;
   const T ninf = -std::numeric_limits<T>::infinity();
   const T scale = static_cast<T>(J.scale);
@@ -246,24 +253,86 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
     for (const size_t e = std::min(lines.size(), pl + count); pl < e; ++pl) __builtin_prefetch(lines[pl], 0, 2);
   };
   for (int k = 1; spread && k < kSpreadTiles; ++k) list_lines(j0 + k * TILE), issue(lines.size());
+
+  // A tile's work in units, so that one tile's values can run between the next one's scores. Score units: AVX2's
+  // wide rows a block of KW keys for all rows (keys outer: the keys stay in L1 for every row), else a row block x
+  // 4 keys. Value units: a row block x a chunk of the columns its value_block holds in registers (pipelined), or x
+  // all of them.
+  constexpr int KW = k6 ? kWideKeys<T> : 4;
+  const int n_blocks = static_cast<int>(Rb / RB);
+  const int ns = k6 && RB == 2 ? TILE / KW : n_blocks * (TILE / 4);
+  const int64_t width = pipe ? (RB == 4 ? (KVLM_AVX2_ROWS4 ? 2 : 4) : RB == 2 ? 4 : 8) * L : Dvp;
+  const int nc = static_cast<int>((Dvp + width - 1) / width), nv = n_blocks * nc;
+  const auto score_unit = [&](T* s, int i) {
+    if (k6 && RB == 2) {  // AVX2, wide rows: blocks of 2 rows x 6 keys
+      const int y0 = i * KW;
+      for (int64_t r0 = 0; r0 < Rb; r0 += 2) {
+        const T* qx[2] = {q + r0 * Dkp, q + (r0 + 1) * Dkp};
+        const T* qrx[2] = {qr + r0 * Drp, qr + (r0 + 1) * Drp};
+        if (spread) issue(per_block);
+        score_block<T, 2, KW>(qx, qrx, kp + y0, krp + y0, Dkp, Drp, scale, s + r0 * TILE + y0, TILE);
+      }
+      return;
+    }
+    const int64_t r0 = (i / (TILE / 4)) * RB;
+    const int y0 = (i % (TILE / 4)) * 4;
+    const T* qrow[4];
+    const T* qrrow[4];
+    for (int x = 0; x < RB; ++x) {
+      qrow[x] = q + (r0 + x) * Dkp;
+      qrrow[x] = qr + (r0 + x) * Drp;
+    }
+    T* sb = s + r0 * TILE + y0;
+    if (RB == 4 && KVLM_AVX2_ROWS4) {
+      score_block<T, 4, 2>(qrow, qrrow, kp + y0, krp + y0, Dkp, Drp, scale, sb, TILE);
+      score_block<T, 4, 2>(qrow, qrrow, kp + y0 + 2, krp + y0 + 2, Dkp, Drp, scale, sb + 2, TILE);
+    } else if (RB == 4)
+      score_block<T, 4>(qrow, qrrow, kp + y0, krp + y0, Dkp, Drp, scale, sb, TILE);
+    else if (RB == 2)
+      score_block<T, 2>(qrow, qrrow, kp + y0, krp + y0, Dkp, Drp, scale, sb, TILE);
+    else if (y0 % 8 == 0)  // one row: 8 keys a block (8 FMA chains), the tile's 32 keys in 4
+      score_block<T, 1, 8>(qrow, qrrow, kp + y0, krp + y0, Dkp, Drp, scale, sb, TILE);
+  };
+  const auto value_unit = [&](const T* s, const T* const* rows, int n, int u) {
+    const int64_t r0 = (u / nc) * RB, d0 = (u % nc) * width, d1 = std::min<int64_t>(Dvp, d0 + width);
+    const T* pb = s + r0 * TILE;
+    T* ab = acc + r0 * Dvp;
+    if (RB == 4)
+      value_block<T, 4, KVLM_AVX2_ROWS4 ? 2 : 4>(pb, TILE, rows, n, d1, ab, Dvp, d0);
+    else if (RB == 2) {
+      if (spread) issue(per_block);
+      value_block<T, 2>(pb, TILE, rows, n, d1, ab, Dvp, d0);
+    } else
+      value_block<T, 1, 8>(pb, TILE, rows, n, d1, ab, Dvp, d0);  // 8 FMA chains
+  };
+
   int64_t page_i = j0 / J.P, row = j0 % J.P;
-  for (int64_t t0 = j0; t0 < j1; t0 += TILE) {
-    const int n = static_cast<int>(std::min<int64_t>(TILE, j1 - t0));
+  int n_prev = 0;  // keys of the last tile, whose values are still to add (pipelined)
+  for (int64_t t0 = j0, it = 0;; t0 += TILE, ++it) {
+    const int n = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(TILE, j1 - t0)));
+    if (n == 0 && n_prev == 0) break;
+    const int cur = pipe ? static_cast<int>(it & 1) : 0;
+    T* s = reinterpret_cast<T*>(s_v.data()) + cur * Rb * TILE;
+    const T* s_prev = reinterpret_cast<T*>(s_v.data()) + (1 - cur) * Rb * TILE;
+    const T** vp = vp2[cur];
+    const T* const* vrows = J.v_is_k ? kp : vp;  // the value rows: a latent's are its keys
+    T* vbuf = v_direct ? nullptr : reinterpret_cast<T*>(vbuf_v.data()) + cur * TILE * Dvp;
     // the tile's rows page by page: a run of rows in one page steps by the pool's row stride (a pointer per row
     // from its page, group and row cost more instructions than MHA's dot products)
     for (int jj = 0; jj < n;) {
       const int64_t page = tab[page_i];
       const int run = static_cast<int>(std::min<int64_t>(n - jj, J.P - row));
-      page_rows<T>(J.k, k_direct, page, g, row, run, kbuf + jj * Dkp, Dkp, kp + jj);
+      page_rows<T>(J.k, k_direct, page, g, row, run, k_direct ? nullptr : kbuf + jj * Dkp, Dkp, kp + jj);
       if (!J.v_is_k) {
-        page_rows<T>(J.v, v_direct, page, g, row, run, vbuf + jj * Dvp, Dvp, vp + jj);
-        // the values (MHA / GQA) into L1 while the tile's scores are computed: the value loop's first touch of each
-        // row otherwise waits on L2 / memory (AVX2, kernel_micro: GQA-3 1.02-1.14x, MHA 1.00-1.04x)
+        page_rows<T>(J.v, v_direct, page, g, row, run, v_direct ? nullptr : vbuf + jj * Dvp, Dvp, vp + jj);
+        // not pipelined: the values into L1 while the tile's scores are computed: the value loop's first touch of
+        // each row otherwise waits on L2 / memory (AVX2, kernel_micro: GQA-3 1.02-1.14x, MHA 1.00-1.04x)
 #ifndef KVLM_NO_V_PREFETCH
-        if (v_direct) prefetch_rows(vp[jj], run, J.v.s_row, J.v.D);
+        if (v_direct && !pipe) prefetch_rows(vp[jj], run, J.v.s_row, J.v.D);
 #endif
       }
-      if (J.Dr) page_rows<T>(J.kr, kr_direct, page, 0, row, run, krbuf + jj * Drp, Drp, krp + jj);
+      if (J.Dr) page_rows<T>(J.kr, kr_direct, page, 0, row, run, kr_direct ? nullptr : krbuf + jj * Drp, Drp,
+                            krp + jj);
       jj += run;
       row += run;
       if (row == J.P) {
@@ -272,12 +341,12 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
       }
     }
     for (int jj = n; jj < TILE; ++jj) kp[jj] = vp[jj] = krp[jj] = zero;  // past the range: zero keys, masked below
-    if (spread) {
+    if (n > 0 && spread) {
       list_lines(t0 + kSpreadTiles * TILE);
       pl = 0;
       const size_t blocks = (TILE / std::max(1, kWideKeys<T>) + 1) * (Rb / 2);  // the tile's score and value blocks
       per_block = (lines.size() + blocks - 1) / blocks;
-    } else {
+    } else if (n > 0) {
       // else the next tile's rows into L2 while this one is computed, those in later pages of the block table
       // only: the hardware's sequential prefetcher does not know the table, but it runs ahead within a page, where
       // prefetching too measured 0.95-0.97x (AVX2, pages of a whole sequence; pages of 16: 1.02-1.05x with it)
@@ -295,36 +364,22 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
         }
       }
     }
-    // AVX2, wide rows: blocks of 2 rows x 6 keys, keys outer so that 6 keys stay in L1 for all rows
-    if (k6 && RB == 2) {
-      constexpr int KW = k6 ? kWideKeys<T> : 4;
-      for (int y0 = 0; y0 < TILE; y0 += KW)
-        for (int64_t r0 = 0; r0 < Rb; r0 += 2) {
-          const T* qx[2] = {q + r0 * Dkp, q + (r0 + 1) * Dkp};
-          const T* qrx[2] = {qr + r0 * Drp, qr + (r0 + 1) * Drp};
-          if (spread) issue(per_block);
-          score_block<T, 2, KW>(qx, qrx, kp + y0, krp + y0, Dkp, Drp, scale, s + r0 * TILE + y0, TILE);
-        }
-    } else {
-      for (int64_t r0 = 0; r0 < Rb; r0 += RB) {
-        for (int x = 0; x < RB; ++x) {
-          qrow[x] = q + (r0 + x) * Dkp;
-          qrrow[x] = qr + (r0 + x) * Drp;
-        }
-        for (int y0 = 0; y0 < TILE; y0 += 4) {
-          T* sb = s + r0 * TILE + y0;
-          if (RB == 4 && KVLM_AVX2_ROWS4) {
-            score_block<T, 4, 2>(qrow, qrrow, kp + y0, krp + y0, Dkp, Drp, scale, sb, TILE);
-            score_block<T, 4, 2>(qrow, qrrow, kp + y0 + 2, krp + y0 + 2, Dkp, Drp, scale, sb + 2, TILE);
-          } else if (RB == 4)
-            score_block<T, 4>(qrow, qrrow, kp + y0, krp + y0, Dkp, Drp, scale, sb, TILE);
-          else if (RB == 2)
-            score_block<T, 2>(qrow, qrrow, kp + y0, krp + y0, Dkp, Drp, scale, sb, TILE);
-          else if (y0 % 8 == 0)  // one row: 8 keys a block (8 FMA chains), the tile's 32 keys in 4
-            score_block<T, 1, 8>(qrow, qrrow, kp + y0, krp + y0, Dkp, Drp, scale, sb, TILE);
-        }
-      }
+    // the tile's scores; pipelined, the last tile's values between them (their units spread evenly) and this
+    // tile's value rows into L1 a share per score unit (read a whole tile later)
+    const int nv_prev = pipe && n_prev ? nv : 0;
+    int done = 0;
+    for (int i = 0; n > 0 && i < ns; ++i) {
+      score_unit(s, i);
+#ifndef KVLM_NO_V_PREFETCH
+      if (pipe && v_direct)
+        for (int jj = i * n / ns; jj < (i + 1) * n / ns; ++jj) prefetch_rows(vp[jj], 1, J.v.s_row, J.v.D);
+#endif
+      for (const int e = (2 * (i + 1) * nv_prev + ns) / (2 * ns); done < e; ++done)
+        value_unit(s_prev, vp2[1 - cur], n_prev, done);
     }
+    for (; done < nv_prev; ++done) value_unit(s_prev, vp2[1 - cur], n_prev, done);  // the last tile's, after the range
+    n_prev = 0;
+    if (n == 0) break;
     // online softmax per row, TILE scores as VT vectors: mask, tile max, rescale, probabilities in place
     for (int64_t r = 0; r < Rb; ++r) {
       V* sr = reinterpret_cast<V*>(s + r * TILE);
@@ -367,17 +422,10 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
       }
       l[r] += hsum<T>(sum);
     }
-    for (int64_t r0 = 0; r0 < Rb; r0 += RB) {
-      const T* pb = s + r0 * TILE;
-      T* ab = acc + r0 * Dvp;
-      if (RB == 4)
-        value_block<T, 4, KVLM_AVX2_ROWS4 ? 2 : 4>(pb, TILE, vrows, n, Dvp, ab, Dvp);
-      else if (RB == 2) {
-        if (spread) issue(per_block);
-        value_block<T, 2>(pb, TILE, vrows, n, Dvp, ab, Dvp);
-      } else
-        value_block<T, 1, 8>(pb, TILE, vrows, n, Dvp, ab, Dvp);  // 8 FMA chains
-    }
+    if (pipe)
+      n_prev = n;
+    else
+      for (int u = 0; u < nv; ++u) value_unit(s, vrows, n, u);
   }
 }
 
