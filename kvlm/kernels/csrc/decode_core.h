@@ -77,6 +77,15 @@ inline void score_block(const T* const* q, const T* const* qr, const T* const* k
   store_sums<T, RB, KB>(a, scale, s, stride);
 }
 
+// score_block apart from its caller: inlined into attend_range_t, GCC's register allocation of the 2 x 6 block
+// moved with the code around it (spilled accumulators: MLA's tiles 0.70-0.96x as fast, one change to the next)
+template <typename T, int RB, int KB>
+__attribute__((noinline)) void score_block_apart(const T* const* q, const T* const* qr, const T* const* kp,
+                                                 const T* const* krp, int64_t Dk, int64_t Dr, T scale, T* s,
+                                                 int stride) {
+  score_block<T, RB, KB>(q, qr, kp, krp, Dk, Dr, scale, s, stride);
+}
+
 // acc[x] += sum_j p[x][j] v_j for RB rows, columns [d0, Dv): two vectors of the value width at a time, so 2 RB
 // independent FMA chains hide the FMA latency (one vector per row is only RB chains: half the FMA throughput).
 // ZW vectors at a time first: RB = 4 on AVX2 holds 2 (4 x 4 accumulators would be all 16 registers), one row 8.
@@ -134,62 +143,6 @@ inline bool in_place(const Pool& p) {
   return same && p.D % Vec<T>::L == 0;
 }
 
-template <typename T>
-inline const T* row_ptr(const Pool& p, int64_t page, int64_t g, int64_t row) {
-  return static_cast<const T*>(p.data) + page * p.s_page + g * p.s_group + row * p.s_row;
-}
-
-// Row (page, group, row) of `p` as bytes, and the row's length in bytes.
-inline const char* row_bytes(const Pool& p, int64_t page, int64_t g, int64_t row, int64_t* len) {
-  static const int size[] = {4, 8, 2, 1, 1};  // bytes per element of DType f32, f64, bf16, i8, f8
-  const int es = size[static_cast<int>(p.dtype)];
-  *len = p.D * es;
-  return static_cast<const char*>(p.data) + (page * p.s_page + g * p.s_group + row * p.s_row) * es;
-}
-
-inline void prefetch_row(const Pool& p, int64_t page, int64_t g, int64_t row) {
-  int64_t len;
-  const char* base = row_bytes(p, page, g, row, &len);
-#ifndef KVLM_NO_PREFETCH
-  for (int64_t off = 0; off < len; off += 64) __builtin_prefetch(base + off, 0, 2);
-#endif
-}
-
-// The 64-byte lines of rows [t, t + n) of group g of `p` (pages of P rows through the block table tab), into out.
-inline void tile_lines(const Pool& p, const int32_t* tab, int64_t P, int64_t g, int64_t t, int64_t n,
-                       std::vector<const char*>& out) {
-  for (int64_t j = t; j < t + n; ++j) {
-    int64_t len;
-    const char* base = row_bytes(p, tab[j / P], g, j % P, &len);
-    for (int64_t off = 0; off < len; off += 64) out.push_back(base + off);
-  }
-}
-
-// Rows [row, row + n) of one page of `p` as pointers: in place, or widened into buf (rows Dp apart).
-template <typename T>
-inline void page_rows(const Pool& p, bool direct, int64_t page, int64_t g, int64_t row, int n, T* buf, int64_t Dp,
-                      const T** out) {
-  if (direct) {
-    const T* first = row_ptr<T>(p, page, g, row);
-    for (int u = 0; u < n; ++u) out[u] = first + u * p.s_row;
-    return;
-  }
-  for (int u = 0; u < n; ++u) {
-    load_row<T>(p, page, g, row + u, buf + u * Dp, Dp);
-    out[u] = buf + u * Dp;
-  }
-}
-
-// n rows of D elements from `first`, `stride` apart, into L1; adjacent rows as one span of lines.
-template <typename T>
-inline void prefetch_rows(const T* first, int n, int64_t stride, int64_t D) {
-  constexpr int64_t line = 64 / sizeof(T);
-  const int64_t span = stride == D ? n * D : D, rows = stride == D ? 1 : n;
-  for (int64_t u = 0; u < rows; ++u)
-#pragma GCC unroll 4
-    for (int64_t off = 0; off < span; off += line) __builtin_prefetch(first + u * stride + off, 0, 3);
-}
-
 // One work item: rows [0, R) of group g of sequence b against keys [j0, j1); updates the running max m,
 // sum l and accumulator acc (rows padded to Rp, widths to Dkp / Dvp / Drp).
 template <typename T, int TILE>
@@ -211,7 +164,7 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
   // the values' own burst (one core, GQA-3 from memory: work and memory took turns, 10 GB/s where a plain read of
   // the same bytes reads 18; narrow_heads.cpp)
 #ifndef KVLM_NO_PIPE
-  const bool pipe = !J.v_is_k;
+  const bool pipe = !J.v_is_k && !(k6 && RB == 2);
 #else
   const bool pipe = false;
 #endif
@@ -241,39 +194,25 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
 #else
   const bool spread = false;
 #endif
-  std::vector<const char*> lines;
-  const auto list_lines = [&](int64_t t) {  // the lines of the tile at t (none past j1)
-    lines.clear();
+  LineSpans ahead;  // rows of later tiles to prefetch, a share per block of work
+  const auto list_tile = [&](int64_t t) {  // the rows of the tile at t (none past j1)
+    ahead.clear();
     const int64_t nt = std::max<int64_t>(0, std::min<int64_t>(TILE, j1 - t));
-    tile_lines(J.k, tab, J.P, g, t, nt, lines);
-    if (J.Dr) tile_lines(J.kr, tab, J.P, 0, t, nt, lines);
+    ahead.add_rows(J.k, tab, J.P, g, t, nt);
+    if (J.Dr) ahead.add_rows(J.kr, tab, J.P, 0, t, nt);
   };
-  size_t pl = 0, per_block = 0;
-  const auto issue = [&](size_t count) {
-    for (const size_t e = std::min(lines.size(), pl + count); pl < e; ++pl) __builtin_prefetch(lines[pl], 0, 2);
-  };
-  for (int k = 1; spread && k < kSpreadTiles; ++k) list_lines(j0 + k * TILE), issue(lines.size());
+  int64_t per_block = 0;
+  for (int k = 1; spread && k < kSpreadTiles; ++k) list_tile(j0 + k * TILE), ahead.issue(ahead.total);
 
-  // A tile's work in units, so that one tile's values can run between the next one's scores. Score units: AVX2's
-  // wide rows a block of KW keys for all rows (keys outer: the keys stay in L1 for every row), else a row block x
-  // 4 keys. Value units: a row block x a chunk of the columns its value_block holds in registers (pipelined), or x
-  // all of them.
+  // A tile's work in units, so that one tile's values can run between the next one's scores (narrow rows). Score
+  // units: a row block x 4 keys. Value units: a row block x a chunk of the columns its value_block holds in
+  // registers (pipelined), or x all of them.
   constexpr int KW = k6 ? kWideKeys<T> : 4;
   const int n_blocks = static_cast<int>(Rb / RB);
-  const int ns = k6 && RB == 2 ? TILE / KW : n_blocks * (TILE / 4);
+  const int ns = n_blocks * (TILE / 4);
   const int64_t width = pipe ? (RB == 4 ? (KVLM_AVX2_ROWS4 ? 2 : 4) : RB == 2 ? 4 : 8) * L : Dvp;
   const int nc = static_cast<int>((Dvp + width - 1) / width), nv = n_blocks * nc;
-  const auto score_unit = [&](T* s, int i) {
-    if (k6 && RB == 2) {  // AVX2, wide rows: blocks of 2 rows x 6 keys
-      const int y0 = i * KW;
-      for (int64_t r0 = 0; r0 < Rb; r0 += 2) {
-        const T* qx[2] = {q + r0 * Dkp, q + (r0 + 1) * Dkp};
-        const T* qrx[2] = {qr + r0 * Drp, qr + (r0 + 1) * Drp};
-        if (spread) issue(per_block);
-        score_block<T, 2, KW>(qx, qrx, kp + y0, krp + y0, Dkp, Drp, scale, s + r0 * TILE + y0, TILE);
-      }
-      return;
-    }
+  const auto score_unit = [&](T* s, int i) {  // narrow rows: row block i / (TILE / 4), keys 4 (i % (TILE / 4))
     const int64_t r0 = (i / (TILE / 4)) * RB;
     const int y0 = (i % (TILE / 4)) * 4;
     const T* qrow[4];
@@ -300,7 +239,7 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
     if (RB == 4)
       value_block<T, 4, KVLM_AVX2_ROWS4 ? 2 : 4>(pb, TILE, rows, n, d1, ab, Dvp, d0);
     else if (RB == 2) {
-      if (spread) issue(per_block);
+      if (spread) ahead.issue(per_block);
       value_block<T, 2>(pb, TILE, rows, n, d1, ab, Dvp, d0);
     } else
       value_block<T, 1, 8>(pb, TILE, rows, n, d1, ab, Dvp, d0);  // 8 FMA chains
@@ -342,34 +281,40 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
     }
     for (int jj = n; jj < TILE; ++jj) kp[jj] = vp[jj] = krp[jj] = zero;  // past the range: zero keys, masked below
     if (n > 0 && spread) {
-      list_lines(t0 + kSpreadTiles * TILE);
-      pl = 0;
-      const size_t blocks = (TILE / std::max(1, kWideKeys<T>) + 1) * (Rb / 2);  // the tile's score and value blocks
-      per_block = (lines.size() + blocks - 1) / blocks;
+      list_tile(t0 + kSpreadTiles * TILE);
+      const int64_t blocks = (TILE / std::max(1, kWideKeys<T>) + 1) * (Rb / 2);  // the tile's score and value blocks
+      per_block = (ahead.total + blocks - 1) / blocks;
     } else if (n > 0) {
       // else the next tile's rows into L2 while this one is computed, those in later pages of the block table
       // only: the hardware's sequential prefetcher does not know the table, but it runs ahead within a page, where
-      // prefetching too measured 0.95-0.97x (AVX2, pages of a whole sequence; pages of 16: 1.02-1.05x with it)
+      // prefetching too measured 0.95-0.97x (AVX2, pages of a whole sequence; pages of 16: 1.02-1.05x with it).
+      // Pipelined, a share before each score unit (the values: into L1 a tile ahead below), else all now.
       const int nn = static_cast<int>(std::min<int64_t>(TILE, j1 - t0 - n));
       const int same_page = row > 0 ? static_cast<int>(std::min<int64_t>(nn, J.P - row)) : 0;  // hardware's stream
-      int64_t pi = page_i + (row + same_page == J.P), rw = (row + same_page) % J.P;
-      for (int jj = same_page; jj < nn; ++jj) {
-        const int64_t page = tab[pi];
-        prefetch_row(J.k, page, g, rw);
-        if (!J.v_is_k) prefetch_row(J.v, page, g, rw);
-        if (J.Dr) prefetch_row(J.kr, page, 0, rw);
-        if (++rw == J.P) {
-          rw = 0;
-          ++pi;
-        }
-      }
+      ahead.clear();
+#ifndef KVLM_NO_PREFETCH
+      ahead.add_rows(J.k, tab, J.P, g, t0 + n + same_page, nn - same_page);
+      if (!J.v_is_k && !(pipe && v_direct)) ahead.add_rows(J.v, tab, J.P, g, t0 + n + same_page, nn - same_page);
+      if (J.Dr) ahead.add_rows(J.kr, tab, J.P, 0, t0 + n + same_page, nn - same_page);
+#endif
+      per_block = pipe ? (ahead.total + ns - 1) / ns : ahead.total;
+      if (!pipe) ahead.issue(per_block);
     }
     // the tile's scores; pipelined, the last tile's values between them (their units spread evenly) and this
     // tile's value rows into L1 a share per score unit (read a whole tile later)
     const int nv_prev = pipe && n_prev ? nv : 0;
     int done = 0;
-    for (int i = 0; n > 0 && i < ns; ++i) {
+    if (n > 0 && k6 && RB == 2)  // AVX2, wide rows: blocks of 2 rows x 6 keys, keys outer so that 6 keys stay in L1
+      for (int y0 = 0; y0 < TILE; y0 += KW)
+        for (int64_t r0 = 0; r0 < Rb; r0 += 2) {
+          const T* qx[2] = {q + r0 * Dkp, q + (r0 + 1) * Dkp};
+          const T* qrx[2] = {qr + r0 * Drp, qr + (r0 + 1) * Drp};
+          if (spread) ahead.issue(per_block);
+          score_block_apart<T, 2, KW>(qx, qrx, kp + y0, krp + y0, Dkp, Drp, scale, s + r0 * TILE + y0, TILE);
+        }
+    for (int i = 0; n > 0 && !(k6 && RB == 2) && i < ns; ++i) {
       score_unit(s, i);
+      if (pipe) ahead.issue(per_block);
 #ifndef KVLM_NO_V_PREFETCH
       if (pipe && v_direct)
         for (int jj = i * n / ns; jj < (i + 1) * n / ns; ++jj) prefetch_rows(vp[jj], 1, J.v.s_row, J.v.D);
