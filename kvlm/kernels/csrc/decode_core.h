@@ -170,7 +170,7 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
 #endif
   const bool k_direct = in_place<T>(J.k), v_direct = in_place<T>(J.v), kr_direct = J.Dr && in_place<T>(J.kr);
   // buffers for rows widened from another dtype (none for rows read in place), zero keys past the range, scores
-  std::vector<V> kbuf_v(k_direct ? 0 : TILE * Dkp / L + 1), vbuf_v(v_direct ? 0 : 2 * TILE * Dvp / L + 1),
+  std::vector<V> kbuf_v(k_direct ? 0 : TILE * Dkp / L + 1), vbuf_v(v_direct || J.v_is_k ? 0 : 2 * TILE * Dvp / L + 1),
       krbuf_v(kr_direct ? 0 : TILE * Drp / L + 1), zero_v(std::max({Dkp, Dvp, Drp}) / L + 1), s_v(2 * Rb * VT);
   T* kbuf = reinterpret_cast<T*>(kbuf_v.data());
   T* krbuf = reinterpret_cast<T*>(krbuf_v.data());
@@ -310,7 +310,7 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
           const T* qx[2] = {q + r0 * Dkp, q + (r0 + 1) * Dkp};
           const T* qrx[2] = {qr + r0 * Drp, qr + (r0 + 1) * Drp};
           if (spread) ahead.issue(per_block);
-          score_block_apart<T, 2, KW>(qx, qrx, kp + y0, krp + y0, Dkp, Drp, scale, s + r0 * TILE + y0, TILE);
+          score_block<T, 2, KW>(qx, qrx, kp + y0, krp + y0, Dkp, Drp, scale, s + r0 * TILE + y0, TILE);
         }
     for (int i = 0; n > 0 && !(k6 && RB == 2) && i < ns; ++i) {
       score_unit(s, i);
