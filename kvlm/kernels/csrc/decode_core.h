@@ -205,16 +205,16 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
   for (int k = 1; spread && k < kSpreadTiles; ++k) list_tile(j0 + k * TILE), ahead.issue(ahead.total);
 
   // A tile's work in units, so that one tile's values can run between the next one's scores (narrow rows). Score
-  // units: a row block x 4 keys. Value units: a row block x a chunk of the columns its value_block holds in
-  // registers (pipelined), or x all of them.
+  // units: a row block x KU keys (one row: 8, its score block). Value units: a row block x a chunk of the columns its
+  // value_block holds in registers (pipelined), or x all of them.
   constexpr int KW = k6 ? kWideKeys<T> : 4;
-  const int n_blocks = static_cast<int>(Rb / RB);
-  const int ns = n_blocks * (TILE / 4);
+  const int n_blocks = static_cast<int>(Rb / RB), KU = RB == 1 ? 8 : 4;
+  const int ns = n_blocks * (TILE / KU);
   const int64_t width = pipe ? (RB == 4 ? (KVLM_AVX2_ROWS4 ? 2 : 4) : RB == 2 ? 4 : 8) * L : Dvp;
   const int nc = static_cast<int>((Dvp + width - 1) / width), nv = n_blocks * nc;
-  const auto score_unit = [&](T* s, int i) {  // narrow rows: row block i / (TILE / 4), keys 4 (i % (TILE / 4))
-    const int64_t r0 = (i / (TILE / 4)) * RB;
-    const int y0 = (i % (TILE / 4)) * 4;
+  const auto score_unit = [&](T* s, int i) __attribute__((always_inline)) {  // row block i / (TILE / KU)
+    const int64_t r0 = (i / (TILE / KU)) * RB;
+    const int y0 = (i % (TILE / KU)) * KU;
     const T* qrow[4];
     const T* qrrow[4];
     for (int x = 0; x < RB; ++x) {
@@ -229,7 +229,7 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
       score_block<T, 4>(qrow, qrrow, kp + y0, krp + y0, Dkp, Drp, scale, sb, TILE);
     else if (RB == 2)
       score_block<T, 2>(qrow, qrrow, kp + y0, krp + y0, Dkp, Drp, scale, sb, TILE);
-    else if (y0 % 8 == 0)  // one row: 8 keys a block (8 FMA chains), the tile's 32 keys in 4
+    else  // one row: 8 keys a block (8 FMA chains), the tile's 32 keys in 4
       score_block<T, 1, 8>(qrow, qrrow, kp + y0, krp + y0, Dkp, Drp, scale, sb, TILE);
   };
   const auto value_unit = [&](const T* s, const T* const* rows, int n, int u) {
@@ -316,8 +316,13 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
       score_unit(s, i);
       if (pipe) ahead.issue(per_block);
 #ifndef KVLM_NO_V_PREFETCH
-      if (pipe && v_direct)
-        for (int jj = i * n / ns; jj < (i + 1) * n / ns; ++jj) prefetch_rows(vp[jj], 1, J.v.s_row, J.v.D);
+      if (pipe && v_direct) {  // the unit's share of rows: one span where they are adjacent in a page
+        const int a = i * n / ns, e = (i + 1) * n / ns;
+        if (e > a && vp[e - 1] == vp[a] + (e - 1 - a) * J.v.s_row)
+          prefetch_rows(vp[a], e - a, J.v.s_row, J.v.D);
+        else
+          for (int jj = a; jj < e; ++jj) prefetch_rows(vp[jj], 1, J.v.s_row, J.v.D);
+      }
 #endif
       for (const int e = (2 * (i + 1) * nv_prev + ns) / (2 * ns); done < e; ++done)
         value_unit(s_prev, vp2[1 - cur], n_prev, done);
