@@ -158,19 +158,21 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
   constexpr bool rows4 = kMaxRowBlock >= 4 || (KVLM_AVX2_ROWS4 && !k6);
   const int RB = R >= 4 && rows4 ? 4 : (R >= 2 ? 2 : 1);
   const int64_t Rb = (R + RB - 1) / RB * RB;  // rows rounded to the row block (extra rows are zero queries)
-  // narrow rows with values of their own (MHA, GQA): the values of tile t - 1 are computed between the score
-  // blocks of tile t, and tile t's value rows prefetched a share per score block, so that memory streams K and V
-  // through the whole tile; a tile's scores, softmax and values in turn left memory idle through the softmax and
-  // the values' own burst (one core, GQA-3 from memory: work and memory took turns, 10 GB/s where a plain read of
-  // the same bytes reads 18; narrow_heads.cpp)
+  // narrow rows with values of their own, 2 or more a group (GQA; MHA's new tokens): the values of tile t - 1 are
+  // computed between the score blocks of tile t, and tile t's value rows prefetched a share per score block, so that
+  // memory streams K and V through the whole tile; a tile's scores, softmax and values in turn left memory idle
+  // through the softmax and the values' burst (one core, GQA-3 from memory read 10 GB/s where a plain read of the
+  // same bytes reads 18: work and memory took turns; narrow_heads.cpp). kernel_micro.py, Zen 3, against
+  // KVLM_NO_PIPE: GQA-3 1.21-1.27x; one row a group (MHA at one token, ~10 FMAs a line) 0.90-0.92x: not there.
 #ifndef KVLM_NO_PIPE
-  const bool pipe = !J.v_is_k && !(k6 && RB == 2);
+  const bool pipe = !J.v_is_k && !(k6 && RB == 2) && RB >= 2;
 #else
   const bool pipe = false;
 #endif
   const bool k_direct = in_place<T>(J.k), v_direct = in_place<T>(J.v), kr_direct = J.Dr && in_place<T>(J.kr);
   // buffers for rows widened from another dtype (none for rows read in place), zero keys past the range, scores
-  std::vector<V> kbuf_v(k_direct ? 0 : TILE * Dkp / L + 1), vbuf_v(v_direct || J.v_is_k ? 0 : 2 * TILE * Dvp / L + 1),
+  std::vector<V> kbuf_v(k_direct ? 0 : TILE * Dkp / L + 1),
+      vbuf_v(v_direct || J.v_is_k ? 0 : 2 * TILE * Dvp / L + 1),  // two tiles' when pipelined
       krbuf_v(kr_direct ? 0 : TILE * Drp / L + 1), zero_v(std::max({Dkp, Dvp, Drp}) / L + 1), s_v(2 * Rb * VT);
   T* kbuf = reinterpret_cast<T*>(kbuf_v.data());
   T* krbuf = reinterpret_cast<T*>(krbuf_v.data());

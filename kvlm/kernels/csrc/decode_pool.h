@@ -171,7 +171,8 @@ struct LineSpans {
       if (stride == len)
         spans.push_back({base, (run * len + 63) / 64}), total += spans.back().lines;
       else
-        for (int64_t u = 0; u < run; ++u) spans.push_back({base + u * stride, (len + 63) / 64}), total += (len + 63) / 64;
+        for (int64_t u = 0; u < run; ++u)
+          spans.push_back({base + u * stride, (len + 63) / 64}), total += (len + 63) / 64;
       j += run;
     }
   }
