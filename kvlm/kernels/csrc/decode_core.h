@@ -77,15 +77,6 @@ inline void score_block(const T* const* q, const T* const* qr, const T* const* k
   store_sums<T, RB, KB>(a, scale, s, stride);
 }
 
-// score_block apart from its caller: inlined into attend_range_t, GCC's register allocation of the 2 x 6 block
-// moved with the code around it (spilled accumulators: MLA's tiles 0.70-0.96x as fast, one change to the next)
-template <typename T, int RB, int KB>
-__attribute__((noinline)) void score_block_apart(const T* const* q, const T* const* qr, const T* const* kp,
-                                                 const T* const* krp, int64_t Dk, int64_t Dr, T scale, T* s,
-                                                 int stride) {
-  score_block<T, RB, KB>(q, qr, kp, krp, Dk, Dr, scale, s, stride);
-}
-
 // acc[x] += sum_j p[x][j] v_j for RB rows, columns [d0, Dv): two vectors of the value width at a time, so 2 RB
 // independent FMA chains hide the FMA latency (one vector per row is only RB chains: half the FMA throughput).
 // ZW vectors at a time first: RB = 4 on AVX2 holds 2 (4 x 4 accumulators would be all 16 registers), one row 8.
@@ -143,6 +134,62 @@ inline bool in_place(const Pool& p) {
   return same && p.D % Vec<T>::L == 0;
 }
 
+// The online softmax of one tile, TILE scores a row in s (rows Rb, the first R real): mask the keys outside each
+// row's window [lo, hi] (and past t0 + n), move the running max m (rescaling the sum l and the accumulator acc
+// only when it moves), and leave the probabilities in s.
+template <typename T, int TILE>
+inline void tile_softmax(T* s, int64_t R, int64_t Rb, int64_t t0, int n, const int64_t* lo, const int64_t* hi, T* m,
+                         T* l, T* acc, int64_t Dvp) {
+  using V = typename Vec<T>::type;
+  constexpr int L = Vec<T>::L;
+  constexpr int VT = TILE / L;
+  const T ninf = -std::numeric_limits<T>::infinity();
+  V iota[VT];  // key offsets 0 .. TILE - 1 within a tile
+  for (int u = 0; u < VT; ++u)
+    for (int i = 0; i < L; ++i) iota[u][i] = static_cast<T>(u * L + i);
+  for (int64_t r = 0; r < Rb; ++r) {
+    V* sr = reinterpret_cast<V*>(s + r * TILE);
+    if (r >= R) {
+      for (int u = 0; u < VT; ++u) sr[u] = V{};
+      continue;
+    }
+    const int64_t hi_r = std::min<int64_t>(hi[r], t0 + n - 1);
+    if (lo[r] > t0 || hi_r < t0 + TILE - 1)  // keys outside the row's window (or past the range): -inf
+      for (int u = 0; u < VT; ++u) {
+        const V jv = iota[u] + static_cast<T>(t0);
+        sr[u] = (jv < static_cast<T>(lo[r])) | (jv > static_cast<T>(hi_r)) ? V{} + ninf : sr[u];
+      }
+    // the running max moves rarely after the first tiles: a compare finds whether it does (a branch the core
+    // predicts, so that the exponentials need not wait on a reduction), and only then is the tile's max reduced
+    // and what the row has summed rescaled
+    V vm = V{} + m[r];
+    auto up = sr[0] > vm;
+    for (int u = 1; u < VT; ++u) up |= sr[u] > vm;
+    if (any_lane<T>(up)) {
+      V mv = sr[0];
+      for (int u = 1; u < VT; ++u) mv = mv > sr[u] ? mv : sr[u];
+      T mt = mv[0];
+      for (int i = 1; i < L; ++i) mt = std::max(mt, mv[i]);
+      const T alpha = std::exp(m[r] - mt);  // exp(-inf) = 0 on the first visible tile
+      l[r] *= alpha;
+      m[r] = mt;
+      vm = V{} + mt;
+      T* ar = acc + r * Dvp;
+      for (int64_t d = 0; d < Dvp; d += L) *reinterpret_cast<V*>(ar + d) *= alpha;
+    } else if (m[r] == ninf) {  // nothing visible yet
+      for (int u = 0; u < VT; ++u) sr[u] = V{};
+      continue;
+    }
+    V sum = V{};
+    for (int u = 0; u < VT; ++u) {
+      const V p = vexp<T>(sr[u] - vm);
+      sr[u] = sr[u] == ninf ? V{} : p;
+      sum += sr[u];
+    }
+    l[r] += hsum<T>(sum);
+  }
+}
+
 // One work item: rows [0, R) of group g of sequence b against keys [j0, j1); updates the running max m,
 // sum l and accumulator acc (rows padded to Rp, widths to Dkp / Dvp / Drp).
 template <typename T, int TILE>
@@ -158,34 +205,22 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
   constexpr bool rows4 = kMaxRowBlock >= 4 || (KVLM_AVX2_ROWS4 && !k6);
   const int RB = R >= 4 && rows4 ? 4 : (R >= 2 ? 2 : 1);
   const int64_t Rb = (R + RB - 1) / RB * RB;  // rows rounded to the row block (extra rows are zero queries)
-  // narrow rows with values of their own, 2 or more a group (GQA; MHA's new tokens): the values of tile t - 1 are
-  // computed between the score blocks of tile t, and tile t's value rows prefetched a share per score block, so that
-  // memory streams K and V through the whole tile; a tile's scores, softmax and values in turn left memory idle
-  // through the softmax and the values' burst (one core, GQA-3 from memory read 10 GB/s where a plain read of the
-  // same bytes reads 18: work and memory took turns; narrow_heads.cpp). kernel_micro.py, Zen 3, against
-  // KVLM_NO_PIPE: GQA-3 1.21-1.27x; one row a group (MHA at one token, ~10 FMAs a line) 0.90-0.92x: not there.
-#ifndef KVLM_NO_PIPE
-  const bool pipe = !J.v_is_k && !(k6 && RB == 2) && RB >= 2;
-#else
-  const bool pipe = false;
-#endif
-  const bool k_direct = in_place<T>(J.k), v_direct = in_place<T>(J.v), kr_direct = J.Dr && in_place<T>(J.kr);
-  // buffers for rows widened from another dtype (none for rows read in place), zero keys past the range, scores
-  std::vector<V> kbuf_v(k_direct ? 0 : TILE * Dkp / L + 1),
-      vbuf_v(v_direct || J.v_is_k ? 0 : 2 * TILE * Dvp / L + 1),  // two tiles' when pipelined
-      krbuf_v(kr_direct ? 0 : TILE * Drp / L + 1), zero_v(std::max({Dkp, Dvp, Drp}) / L + 1), s_v(2 * Rb * VT);
+  std::vector<V> kbuf_v(TILE * Dkp / L + 1), vbuf_v(TILE * Dvp / L + 1), krbuf_v(TILE * Drp / L + 1),
+      zero_v(std::max({Dkp, Dvp, Drp}) / L + 1), s_v(Rb * VT);
   T* kbuf = reinterpret_cast<T*>(kbuf_v.data());
+  T* vbuf = reinterpret_cast<T*>(vbuf_v.data());
   T* krbuf = reinterpret_cast<T*>(krbuf_v.data());
   const T* zero = reinterpret_cast<const T*>(zero_v.data());
+  T* s = reinterpret_cast<T*>(s_v.data());
+  const bool k_direct = in_place<T>(J.k), v_direct = in_place<T>(J.v), kr_direct = J.Dr && in_place<T>(J.kr);
   const T* kp[TILE];
-  const T* vp2[2][TILE];  // a tile's value rows; two when pipelined (the last tile's are read during this one)
+  const T* vp[TILE];
+  const T* const* vrows = J.v_is_k ? kp : vp;  // the value rows: a latent's are its keys
   const T* krp[TILE];
+  const T* qrow[4];
+  const T* qrrow[4];
   const int32_t* tab = J.table + b * J.max_blocks;
-  const T ninf = -std::numeric_limits<T>::infinity();
   const T scale = static_cast<T>(J.scale);
-  V iota[VT];  // key offsets 0 .. TILE - 1 within a tile
-  for (int u = 0; u < VT; ++u)
-    for (int i = 0; i < L; ++i) iota[u][i] = static_cast<T>(u * L + i);
   // wide rows read in place (MLA's float32 latent: compute-heavy tiles): the lines of the tile kSpreadTiles ahead
   // into L2, a share of them before each score and value block, so that memory streams while the FMAs run (left to
   // the hardware's stream, memory stood idle while a tile was computed; as the AVX-512 path's SPREAD). Measured
@@ -196,84 +231,36 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
 #else
   const bool spread = false;
 #endif
-  LineSpans ahead;  // rows of later tiles to prefetch, a share per block of work
-  const auto list_tile = [&](int64_t t) {  // the rows of the tile at t (none past j1)
-    ahead.clear();
+  std::vector<const char*> lines;
+  const auto list_lines = [&](int64_t t) {  // the lines of the tile at t (none past j1)
+    lines.clear();
     const int64_t nt = std::max<int64_t>(0, std::min<int64_t>(TILE, j1 - t));
-    ahead.add_rows(J.k, tab, J.P, g, t, nt);
-    if (J.Dr) ahead.add_rows(J.kr, tab, J.P, 0, t, nt);
+    tile_lines(J.k, tab, J.P, g, t, nt, lines);
+    if (J.Dr) tile_lines(J.kr, tab, J.P, 0, t, nt, lines);
   };
-  int64_t per_block = 0;
-  for (int k = 1; spread && k < kSpreadTiles; ++k) list_tile(j0 + k * TILE), ahead.issue(ahead.total);
-
-  // A tile's work in units, so that one tile's values can run between the next one's scores (narrow rows). Score
-  // units: a row block x KU keys (one row: 8, its score block). Value units: a row block x a chunk of the columns its
-  // value_block holds in registers (pipelined), or x all of them.
-  constexpr int KW = k6 ? kWideKeys<T> : 4;
-  const int n_blocks = static_cast<int>(Rb / RB), KU = RB == 1 ? 8 : 4;
-  const int ns = n_blocks * (TILE / KU);
-  const int64_t width = pipe ? (RB == 4 ? (KVLM_AVX2_ROWS4 ? 2 : 4) : RB == 2 ? 4 : 8) * L : Dvp;
-  const int nc = static_cast<int>((Dvp + width - 1) / width), nv = n_blocks * nc;
-  const auto score_unit = [&](T* s, int i) __attribute__((always_inline)) {  // row block i / (TILE / KU)
-    const int64_t r0 = (i / (TILE / KU)) * RB;
-    const int y0 = (i % (TILE / KU)) * KU;
-    const T* qrow[4];
-    const T* qrrow[4];
-    for (int x = 0; x < RB; ++x) {
-      qrow[x] = q + (r0 + x) * Dkp;
-      qrrow[x] = qr + (r0 + x) * Drp;
-    }
-    T* sb = s + r0 * TILE + y0;
-    if (RB == 4 && KVLM_AVX2_ROWS4) {
-      score_block<T, 4, 2>(qrow, qrrow, kp + y0, krp + y0, Dkp, Drp, scale, sb, TILE);
-      score_block<T, 4, 2>(qrow, qrrow, kp + y0 + 2, krp + y0 + 2, Dkp, Drp, scale, sb + 2, TILE);
-    } else if (RB == 4)
-      score_block<T, 4>(qrow, qrrow, kp + y0, krp + y0, Dkp, Drp, scale, sb, TILE);
-    else if (RB == 2)
-      score_block<T, 2>(qrow, qrrow, kp + y0, krp + y0, Dkp, Drp, scale, sb, TILE);
-    else  // one row: 8 keys a block (8 FMA chains), the tile's 32 keys in 4
-      score_block<T, 1, 8>(qrow, qrrow, kp + y0, krp + y0, Dkp, Drp, scale, sb, TILE);
+  size_t pl = 0, per_block = 0;
+  const auto issue = [&](size_t count) {
+    for (const size_t e = std::min(lines.size(), pl + count); pl < e; ++pl) __builtin_prefetch(lines[pl], 0, 2);
   };
-  const auto value_unit = [&](const T* s, const T* const* rows, int n, int u) {
-    const int64_t r0 = (u / nc) * RB, d0 = (u % nc) * width, d1 = std::min<int64_t>(Dvp, d0 + width);
-    const T* pb = s + r0 * TILE;
-    T* ab = acc + r0 * Dvp;
-    if (RB == 4)
-      value_block<T, 4, KVLM_AVX2_ROWS4 ? 2 : 4>(pb, TILE, rows, n, d1, ab, Dvp, d0);
-    else if (RB == 2) {
-      if (spread) ahead.issue(per_block);
-      value_block<T, 2>(pb, TILE, rows, n, d1, ab, Dvp, d0);
-    } else
-      value_block<T, 1, 8>(pb, TILE, rows, n, d1, ab, Dvp, d0);  // 8 FMA chains
-  };
-
+  for (int k = 1; spread && k < kSpreadTiles; ++k) list_lines(j0 + k * TILE), issue(lines.size());
   int64_t page_i = j0 / J.P, row = j0 % J.P;
-  int n_prev = 0;  // keys of the last tile, whose values are still to add (pipelined)
-  for (int64_t t0 = j0, it = 0;; t0 += TILE, ++it) {
-    const int n = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(TILE, j1 - t0)));
-    if (n == 0 && n_prev == 0) break;
-    const int cur = pipe ? static_cast<int>(it & 1) : 0;
-    T* s = reinterpret_cast<T*>(s_v.data()) + cur * Rb * TILE;
-    const T* s_prev = reinterpret_cast<T*>(s_v.data()) + (1 - cur) * Rb * TILE;
-    const T** vp = vp2[cur];
-    const T* const* vrows = J.v_is_k ? kp : vp;  // the value rows: a latent's are its keys
-    T* vbuf = v_direct ? nullptr : reinterpret_cast<T*>(vbuf_v.data()) + cur * TILE * Dvp;
+  for (int64_t t0 = j0; t0 < j1; t0 += TILE) {
+    const int n = static_cast<int>(std::min<int64_t>(TILE, j1 - t0));
     // the tile's rows page by page: a run of rows in one page steps by the pool's row stride (a pointer per row
     // from its page, group and row cost more instructions than MHA's dot products)
     for (int jj = 0; jj < n;) {
       const int64_t page = tab[page_i];
       const int run = static_cast<int>(std::min<int64_t>(n - jj, J.P - row));
-      page_rows<T>(J.k, k_direct, page, g, row, run, k_direct ? nullptr : kbuf + jj * Dkp, Dkp, kp + jj);
+      page_rows<T>(J.k, k_direct, page, g, row, run, kbuf + jj * Dkp, Dkp, kp + jj);
       if (!J.v_is_k) {
-        page_rows<T>(J.v, v_direct, page, g, row, run, v_direct ? nullptr : vbuf + jj * Dvp, Dvp, vp + jj);
-        // not pipelined: the values into L1 while the tile's scores are computed: the value loop's first touch of
-        // each row otherwise waits on L2 / memory (AVX2, kernel_micro: GQA-3 1.02-1.14x, MHA 1.00-1.04x)
+        page_rows<T>(J.v, v_direct, page, g, row, run, vbuf + jj * Dvp, Dvp, vp + jj);
+        // the values (MHA / GQA) into L1 while the tile's scores are computed: the value loop's first touch of each
+        // row otherwise waits on L2 / memory (AVX2, kernel_micro: GQA-3 1.02-1.14x, MHA 1.00-1.04x)
 #ifndef KVLM_NO_V_PREFETCH
-        if (v_direct && !pipe) prefetch_rows(vp[jj], run, J.v.s_row, J.v.D);
+        if (v_direct) prefetch_rows(vp[jj], run, J.v.s_row, J.v.D);
 #endif
       }
-      if (J.Dr) page_rows<T>(J.kr, kr_direct, page, 0, row, run, kr_direct ? nullptr : krbuf + jj * Drp, Drp,
-                            krp + jj);
+      if (J.Dr) page_rows<T>(J.kr, kr_direct, page, 0, row, run, krbuf + jj * Drp, Drp, krp + jj);
       jj += run;
       row += run;
       if (row == J.P) {
@@ -282,104 +269,75 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
       }
     }
     for (int jj = n; jj < TILE; ++jj) kp[jj] = vp[jj] = krp[jj] = zero;  // past the range: zero keys, masked below
-    if (n > 0 && spread) {
-      list_tile(t0 + kSpreadTiles * TILE);
-      const int64_t blocks = (TILE / std::max(1, kWideKeys<T>) + 1) * (Rb / 2);  // the tile's score and value blocks
-      per_block = (ahead.total + blocks - 1) / blocks;
-    } else if (n > 0) {
+    if (spread) {
+      list_lines(t0 + kSpreadTiles * TILE);
+      pl = 0;
+      const size_t blocks = (TILE / std::max(1, kWideKeys<T>) + 1) * (Rb / 2);  // the tile's score and value blocks
+      per_block = (lines.size() + blocks - 1) / blocks;
+    } else {
       // else the next tile's rows into L2 while this one is computed, those in later pages of the block table
       // only: the hardware's sequential prefetcher does not know the table, but it runs ahead within a page, where
-      // prefetching too measured 0.95-0.97x (AVX2, pages of a whole sequence; pages of 16: 1.02-1.05x with it).
-      // Pipelined, a share before each score unit (the values: into L1 a tile ahead below), else all now.
+      // prefetching too measured 0.95-0.97x (AVX2, pages of a whole sequence; pages of 16: 1.02-1.05x with it)
       const int nn = static_cast<int>(std::min<int64_t>(TILE, j1 - t0 - n));
       const int same_page = row > 0 ? static_cast<int>(std::min<int64_t>(nn, J.P - row)) : 0;  // hardware's stream
-      ahead.clear();
-#ifndef KVLM_NO_PREFETCH
-      ahead.add_rows(J.k, tab, J.P, g, t0 + n + same_page, nn - same_page);
-      if (!J.v_is_k && !(pipe && v_direct)) ahead.add_rows(J.v, tab, J.P, g, t0 + n + same_page, nn - same_page);
-      if (J.Dr) ahead.add_rows(J.kr, tab, J.P, 0, t0 + n + same_page, nn - same_page);
-#endif
-      per_block = pipe ? (ahead.total + ns - 1) / ns : ahead.total;
-      if (!pipe) ahead.issue(per_block);
+      int64_t pi = page_i + (row + same_page == J.P), rw = (row + same_page) % J.P;
+      for (int jj = same_page; jj < nn; ++jj) {
+        const int64_t page = tab[pi];
+        prefetch_row(J.k, page, g, rw);
+        if (!J.v_is_k) prefetch_row(J.v, page, g, rw);
+        if (J.Dr) prefetch_row(J.kr, page, 0, rw);
+        if (++rw == J.P) {
+          rw = 0;
+          ++pi;
+        }
+      }
     }
-    // the tile's scores; pipelined, the last tile's values between them (their units spread evenly) and this
-    // tile's value rows into L1 a share per score unit (read a whole tile later)
-    const int nv_prev = pipe && n_prev ? nv : 0;
-    int done = 0;
-    if (n > 0 && k6 && RB == 2)  // AVX2, wide rows: blocks of 2 rows x 6 keys, keys outer so that 6 keys stay in L1
+    // AVX2, wide rows: blocks of 2 rows x 6 keys, keys outer so that 6 keys stay in L1 for all rows
+    if (k6 && RB == 2) {
+      constexpr int KW = k6 ? kWideKeys<T> : 4;
       for (int y0 = 0; y0 < TILE; y0 += KW)
         for (int64_t r0 = 0; r0 < Rb; r0 += 2) {
           const T* qx[2] = {q + r0 * Dkp, q + (r0 + 1) * Dkp};
           const T* qrx[2] = {qr + r0 * Drp, qr + (r0 + 1) * Drp};
-          if (spread) ahead.issue(per_block);
+          if (spread) issue(per_block);
           score_block<T, 2, KW>(qx, qrx, kp + y0, krp + y0, Dkp, Drp, scale, s + r0 * TILE + y0, TILE);
         }
-    for (int i = 0; n > 0 && !(k6 && RB == 2) && i < ns; ++i) {
-      score_unit(s, i);
-      if (pipe) ahead.issue(per_block);
-#ifndef KVLM_NO_V_PREFETCH
-      if (pipe && v_direct) {  // the unit's share of rows: one span where they are adjacent in a page
-        const int a = i * n / ns, e = (i + 1) * n / ns;
-        if (e > a && vp[e - 1] == vp[a] + (e - 1 - a) * J.v.s_row)
-          prefetch_rows(vp[a], e - a, J.v.s_row, J.v.D);
-        else
-          for (int jj = a; jj < e; ++jj) prefetch_rows(vp[jj], 1, J.v.s_row, J.v.D);
-      }
-#endif
-      for (const int e = (2 * (i + 1) * nv_prev + ns) / (2 * ns); done < e; ++done)
-        value_unit(s_prev, vp2[1 - cur], n_prev, done);
-    }
-    for (; done < nv_prev; ++done) value_unit(s_prev, vp2[1 - cur], n_prev, done);  // the last tile's, after the range
-    n_prev = 0;
-    if (n == 0) break;
-    // online softmax per row, TILE scores as VT vectors: mask, tile max, rescale, probabilities in place
-    for (int64_t r = 0; r < Rb; ++r) {
-      V* sr = reinterpret_cast<V*>(s + r * TILE);
-      if (r >= R) {
-        for (int u = 0; u < VT; ++u) sr[u] = V{};
-        continue;
-      }
-      const int64_t hi_r = std::min<int64_t>(hi[r], t0 + n - 1);
-      if (lo[r] > t0 || hi_r < t0 + TILE - 1)  // keys outside the row's window (or past the range): -inf
-        for (int u = 0; u < VT; ++u) {
-          const V jv = iota[u] + static_cast<T>(t0);
-          sr[u] = (jv < static_cast<T>(lo[r])) | (jv > static_cast<T>(hi_r)) ? V{} + ninf : sr[u];
+    } else {
+      for (int64_t r0 = 0; r0 < Rb; r0 += RB) {
+        for (int x = 0; x < RB; ++x) {
+          qrow[x] = q + (r0 + x) * Dkp;
+          qrrow[x] = qr + (r0 + x) * Drp;
         }
-      // the running max moves rarely after the first tiles: a compare finds whether it does (a branch the core
-      // predicts, so that the exponentials need not wait on a reduction), and only then is the tile's max reduced
-      // and what the row has summed rescaled
-      V vm = V{} + m[r];
-      auto up = sr[0] > vm;
-      for (int u = 1; u < VT; ++u) up |= sr[u] > vm;
-      if (any_lane<T>(up)) {
-        V mv = sr[0];
-        for (int u = 1; u < VT; ++u) mv = mv > sr[u] ? mv : sr[u];
-        T mt = mv[0];
-        for (int i = 1; i < L; ++i) mt = std::max(mt, mv[i]);
-        const T alpha = std::exp(m[r] - mt);  // exp(-inf) = 0 on the first visible tile
-        l[r] *= alpha;
-        m[r] = mt;
-        vm = V{} + mt;
-        T* ar = acc + r * Dvp;
-        for (int64_t d = 0; d < Dvp; d += L) *reinterpret_cast<V*>(ar + d) *= alpha;
-      } else if (m[r] == ninf) {  // nothing visible yet
-        for (int u = 0; u < VT; ++u) sr[u] = V{};
-        continue;
+        for (int y0 = 0; y0 < TILE; y0 += 4) {
+          T* sb = s + r0 * TILE + y0;
+          if (RB == 4 && KVLM_AVX2_ROWS4) {
+            score_block<T, 4, 2>(qrow, qrrow, kp + y0, krp + y0, Dkp, Drp, scale, sb, TILE);
+            score_block<T, 4, 2>(qrow, qrrow, kp + y0 + 2, krp + y0 + 2, Dkp, Drp, scale, sb + 2, TILE);
+          } else if (RB == 4)
+            score_block<T, 4>(qrow, qrrow, kp + y0, krp + y0, Dkp, Drp, scale, sb, TILE);
+          else if (RB == 2)
+            score_block<T, 2>(qrow, qrrow, kp + y0, krp + y0, Dkp, Drp, scale, sb, TILE);
+          else if (y0 % 8 == 0)  // one row: 8 keys a block (8 FMA chains), the tile's 32 keys in 4
+            score_block<T, 1, 8>(qrow, qrrow, kp + y0, krp + y0, Dkp, Drp, scale, sb, TILE);
+        }
       }
-      V sum = V{};
-      for (int u = 0; u < VT; ++u) {
-        const V p = vexp<T>(sr[u] - vm);
-        sr[u] = sr[u] == ninf ? V{} : p;
-        sum += sr[u];
-      }
-      l[r] += hsum<T>(sum);
     }
-    if (pipe)
-      n_prev = n;
-    else
-      for (int u = 0; u < nv; ++u) value_unit(s, vrows, n, u);
+    tile_softmax<T, TILE>(s, R, Rb, t0, n, lo, hi, m, l, acc, Dvp);
+    for (int64_t r0 = 0; r0 < Rb; r0 += RB) {
+      const T* pb = s + r0 * TILE;
+      T* ab = acc + r0 * Dvp;
+      if (RB == 4)
+        value_block<T, 4, KVLM_AVX2_ROWS4 ? 2 : 4>(pb, TILE, vrows, n, Dvp, ab, Dvp);
+      else if (RB == 2) {
+        if (spread) issue(per_block);
+        value_block<T, 2>(pb, TILE, vrows, n, Dvp, ab, Dvp);
+      } else
+        value_block<T, 1, 8>(pb, TILE, vrows, n, Dvp, ab, Dvp);  // 8 FMA chains
+    }
   }
 }
+
+#include "decode_pipe.h"  // (inside the namespace)
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && KVLM_VEC_BYTES == 64 && \
     !defined(KVLM_NO_AVX512)
@@ -428,6 +386,10 @@ void attend_range(const Job& J, const T* q, const T* qr, int64_t b, int64_t g, i
       return;
     }
   }
+#endif
+#ifndef KVLM_NO_PIPE
+  if (!J.v_is_k && J.R >= 2 && J.Dkp + J.Drp < 256)  // narrow rows, 2 or more a group: pipelined (decode_pipe.h)
+    return attend_pipe_t<T, 32>(J, q, qr, b, g, j0, j1, lo, hi, m, l, acc);
 #endif
   if (J.Dkp + J.Drp >= 256)
     attend_range_t<T, kWideTile<T>>(J, q, qr, b, g, j0, j1, lo, hi, m, l, acc);

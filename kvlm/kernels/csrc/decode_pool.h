@@ -145,8 +145,27 @@ inline const char* row_bytes(const Pool& p, int64_t page, int64_t g, int64_t row
   return static_cast<const char*>(p.data) + (page * p.s_page + g * p.s_group + row * p.s_row) * es;
 }
 
+// Row (page, group, row) of `p` into L2.
+inline void prefetch_row(const Pool& p, int64_t page, int64_t g, int64_t row) {
+  int64_t len;
+  const char* base = row_bytes(p, page, g, row, &len);
+#ifndef KVLM_NO_PREFETCH
+  for (int64_t off = 0; off < len; off += 64) __builtin_prefetch(base + off, 0, 2);
+#endif
+}
+
+// The 64-byte lines of rows [t, t + n) of group g of `p` (pages of P rows through the block table tab), into out.
+inline void tile_lines(const Pool& p, const int32_t* tab, int64_t P, int64_t g, int64_t t, int64_t n,
+                       std::vector<const char*>& out) {
+  for (int64_t j = t; j < t + n; ++j) {
+    int64_t len;
+    const char* base = row_bytes(p, tab[j / P], g, j % P, &len);
+    for (int64_t off = 0; off < len; off += 64) out.push_back(base + off);
+  }
+}
+
 // Lines to prefetch a share at a time, as spans of adjacent 64-byte lines: a run of adjacent rows in one page is one
-// span. (Listed line by line, MLA's tiles took ~9 % of its kernel's time in cache to list.)
+// span (decode_pipe.h).
 struct LineSpans {
   struct Span {
     const char* p;
