@@ -154,13 +154,23 @@ inline void prefetch_row(const Pool& p, int64_t page, int64_t g, int64_t row) {
 #endif
 }
 
-// The 64-byte lines of rows [t, t + n) of group g of `p` (pages of P rows through the block table tab), into out.
+// The 64-byte lines of rows [t, t + n) of group g of `p` (pages of P rows through the block table tab), into out:
+// a run of adjacent rows in one page as one stretch of lines (row by row, the listing took ~9 % of MLA's kernel in
+// cache).
 inline void tile_lines(const Pool& p, const int32_t* tab, int64_t P, int64_t g, int64_t t, int64_t n,
                        std::vector<const char*>& out) {
-  for (int64_t j = t; j < t + n; ++j) {
+  for (int64_t j = t; j < t + n;) {
+    const int64_t run = std::min(t + n - j, P - j % P);
     int64_t len;
     const char* base = row_bytes(p, tab[j / P], g, j % P, &len);
-    for (int64_t off = 0; off < len; off += 64) out.push_back(base + off);
+    const int64_t stride = p.D ? len / p.D * p.s_row : 0;
+    const int64_t span = stride == len ? run * len : len, rows = stride == len ? 1 : run;
+    for (int64_t u = 0; u < rows; ++u) {
+      const size_t at = out.size();
+      out.resize(at + (span + 63) / 64);
+      for (int64_t i = 0; i < (span + 63) / 64; ++i) out[at + i] = base + u * stride + i * 64;
+    }
+    j += run;
   }
 }
 
