@@ -248,26 +248,18 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
     const int n = static_cast<int>(std::min<int64_t>(TILE, j1 - t0));
     // the tile's rows page by page: a run of rows in one page steps by the pool's row stride (a pointer per row
     // from its page, group and row cost more instructions than MHA's dot products)
-    for (int jj = 0; jj < n;) {
-      const int64_t page = tab[page_i];
-      const int run = static_cast<int>(std::min<int64_t>(n - jj, J.P - row));
-      page_rows<T>(J.k, k_direct, page, g, row, run, kbuf + jj * Dkp, Dkp, kp + jj);
+    page_runs(tab, J.P, n, page_i, row, [&](int64_t page, int64_t in_page, int run, int jj) {
+      page_rows<T>(J.k, k_direct, page, g, in_page, run, kbuf + jj * Dkp, Dkp, kp + jj);
       if (!J.v_is_k) {
-        page_rows<T>(J.v, v_direct, page, g, row, run, vbuf + jj * Dvp, Dvp, vp + jj);
+        page_rows<T>(J.v, v_direct, page, g, in_page, run, vbuf + jj * Dvp, Dvp, vp + jj);
         // the values (MHA / GQA) into L1 while the tile's scores are computed: the value loop's first touch of each
         // row otherwise waits on L2 / memory (AVX2, kernel_micro: GQA-3 1.02-1.14x, MHA 1.00-1.04x)
 #ifndef KVLM_NO_V_PREFETCH
         if (v_direct) prefetch_rows(vp[jj], run, J.v.s_row, J.v.D);
 #endif
       }
-      if (J.Dr) page_rows<T>(J.kr, kr_direct, page, 0, row, run, krbuf + jj * Drp, Drp, krp + jj);
-      jj += run;
-      row += run;
-      if (row == J.P) {
-        row = 0;
-        ++page_i;
-      }
-    }
+      if (J.Dr) page_rows<T>(J.kr, kr_direct, page, 0, in_page, run, krbuf + jj * Drp, Drp, krp + jj);
+    });
     for (int jj = n; jj < TILE; ++jj) kp[jj] = vp[jj] = krp[jj] = zero;  // past the range: zero keys, masked below
     if (spread) {
       list_lines(t0 + kSpreadTiles * TILE);

@@ -73,20 +73,12 @@ void attend_pipe_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g, 
     const T* s_prev = reinterpret_cast<T*>(s_v.data()) + (1 - cur) * Rb * TILE;
     const T** vp = vp2[cur];
     T* vbuf = v_direct ? nullptr : reinterpret_cast<T*>(vbuf_v.data()) + cur * TILE * Dvp;
-    for (int jj = 0; jj < n;) {  // the tile's rows page by page (as attend_range_t)
-      const int64_t page = tab[page_i];
-      const int run = static_cast<int>(std::min<int64_t>(n - jj, J.P - row));
-      page_rows<T>(J.k, k_direct, page, g, row, run, k_direct ? nullptr : kbuf + jj * Dkp, Dkp, kp + jj);
-      page_rows<T>(J.v, v_direct, page, g, row, run, v_direct ? nullptr : vbuf + jj * Dvp, Dvp, vp + jj);
+    page_runs(tab, J.P, n, page_i, row, [&](int64_t page, int64_t in_page, int run, int jj) {  // the tile's rows
+      page_rows<T>(J.k, k_direct, page, g, in_page, run, k_direct ? nullptr : kbuf + jj * Dkp, Dkp, kp + jj);
+      page_rows<T>(J.v, v_direct, page, g, in_page, run, v_direct ? nullptr : vbuf + jj * Dvp, Dvp, vp + jj);
       if (J.Dr)
-        page_rows<T>(J.kr, kr_direct, page, 0, row, run, kr_direct ? nullptr : krbuf + jj * Drp, Drp, krp + jj);
-      jj += run;
-      row += run;
-      if (row == J.P) {
-        row = 0;
-        ++page_i;
-      }
-    }
+        page_rows<T>(J.kr, kr_direct, page, 0, in_page, run, kr_direct ? nullptr : krbuf + jj * Drp, Drp, krp + jj);
+    });
     for (int jj = n; jj < TILE; ++jj) kp[jj] = vp[jj] = krp[jj] = zero;  // past the range: zero keys, masked below
     // the next tile's rows in later pages of the block table (within a page the hardware's prefetcher is ahead);
     // its values read in place come into L1 during their own tile, below

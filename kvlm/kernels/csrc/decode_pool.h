@@ -232,6 +232,22 @@ inline void page_rows(const Pool& p, bool direct, int64_t page, int64_t g, int64
   }
 }
 
+// A tile's n rows from (page_i, row) of the block table tab (pages of P rows), run by run within a page:
+// f(page, row, run, jj) for each run (jj: its first row in the tile); leaves page_i, row after the tile.
+template <typename F>
+inline void page_runs(const int32_t* tab, int64_t P, int n, int64_t& page_i, int64_t& row, F&& f) {
+  for (int jj = 0; jj < n;) {
+    const int run = static_cast<int>(std::min<int64_t>(n - jj, P - row));
+    f(tab[page_i], row, run, jj);
+    jj += run;
+    row += run;
+    if (row == P) {
+      row = 0;
+      ++page_i;
+    }
+  }
+}
+
 // n rows of D elements from `first`, `stride` apart, into L1; adjacent rows as one span of lines.
 template <typename T>
 inline void prefetch_rows(const T* first, int n, int64_t stride, int64_t D) {
