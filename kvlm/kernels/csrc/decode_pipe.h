@@ -35,7 +35,8 @@ void attend_pipe_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g, 
   // A tile's work in units: score units a row block x 4 keys; value units a row block x the chunk of columns its
   // value_block holds in registers. The last tile's value units run spread evenly between this tile's score units.
   const int n_blocks = static_cast<int>(Rb / RB), ns = n_blocks * (TILE / 4);
-  const int64_t width = (RB == 4 ? (KVLM_AVX2_ROWS4 ? 2 : 4) : 4) * L;
+  constexpr int ZW4 = KVLM_AVX2_ROWS4 ? 2 : 4;  // value vectors a 4-row block holds (value_block's ZW); 2 rows: 4
+  const int64_t width = (RB == 4 ? ZW4 : 4) * L;
   const int nc = static_cast<int>((Dvp + width - 1) / width), nv = n_blocks * nc;
   const auto score_unit = [&](T* s, int i) {
     const int64_t r0 = (i / (TILE / 4)) * RB;
@@ -58,7 +59,7 @@ void attend_pipe_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g, 
   const auto value_unit = [&](const T* s, const T* const* rows, int n, int u) {
     const int64_t r0 = (u / nc) * RB, d0 = (u % nc) * width, d1 = std::min<int64_t>(Dvp, d0 + width);
     if (RB == 4)
-      value_block<T, 4, KVLM_AVX2_ROWS4 ? 2 : 4>(s + r0 * TILE, TILE, rows, n, d1, acc + r0 * Dvp, Dvp, d0);
+      value_block<T, 4, ZW4>(s + r0 * TILE, TILE, rows, n, d1, acc + r0 * Dvp, Dvp, d0);
     else
       value_block<T, 2>(s + r0 * TILE, TILE, rows, n, d1, acc + r0 * Dvp, Dvp, d0);
   };

@@ -154,28 +154,35 @@ inline void prefetch_row(const Pool& p, int64_t page, int64_t g, int64_t row) {
 #endif
 }
 
-// The 64-byte lines of rows [t, t + n) of group g of `p` (pages of P rows through the block table tab), into out:
-// a run of adjacent rows in one page as one stretch of lines (row by row, the listing took ~9 % of MLA's kernel in
-// cache).
-inline void tile_lines(const Pool& p, const int32_t* tab, int64_t P, int64_t g, int64_t t, int64_t n,
-                       std::vector<const char*>& out) {
+// Rows [t, t + n) of group g of `p` (pages of P rows through the block table tab) as stretches of adjacent 64-byte
+// lines: f(first byte, lines) for a run of adjacent rows in one page, or for each row where rows are apart.
+template <typename F>
+inline void row_stretches(const Pool& p, const int32_t* tab, int64_t P, int64_t g, int64_t t, int64_t n, F&& f) {
   for (int64_t j = t; j < t + n;) {
     const int64_t run = std::min(t + n - j, P - j % P);
     int64_t len;
     const char* base = row_bytes(p, tab[j / P], g, j % P, &len);
     const int64_t stride = p.D ? len / p.D * p.s_row : 0;
-    const int64_t span = stride == len ? run * len : len, rows = stride == len ? 1 : run;
-    for (int64_t u = 0; u < rows; ++u) {
-      const size_t at = out.size();
-      out.resize(at + (span + 63) / 64);
-      for (int64_t i = 0; i < (span + 63) / 64; ++i) out[at + i] = base + u * stride + i * 64;
-    }
+    if (stride == len)
+      f(base, (run * len + 63) / 64);
+    else
+      for (int64_t u = 0; u < run; ++u) f(base + u * stride, (len + 63) / 64);
     j += run;
   }
 }
 
-// Lines to prefetch a share at a time, as spans of adjacent 64-byte lines: a run of adjacent rows in one page is one
-// span (decode_pipe.h).
+// The 64-byte lines of rows [t, t + n) of group g of `p`, into out, a stretch at a time (row by row, with a
+// row_bytes and a push_back a line, the listing took ~9 % of MLA's kernel in cache).
+inline void tile_lines(const Pool& p, const int32_t* tab, int64_t P, int64_t g, int64_t t, int64_t n,
+                       std::vector<const char*>& out) {
+  row_stretches(p, tab, P, g, t, n, [&](const char* first, int64_t lines) {
+    const size_t at = out.size();
+    out.resize(at + lines);
+    for (int64_t i = 0; i < lines; ++i) out[at + i] = first + i * 64;
+  });
+}
+
+// Lines to prefetch a share at a time, as spans of adjacent 64-byte lines (row_stretches; decode_pipe.h).
 struct LineSpans {
   struct Span {
     const char* p;
@@ -192,18 +199,10 @@ struct LineSpans {
   }
   // rows [t, t + n) of group g of `p` (pages of P rows through the block table tab)
   void add_rows(const Pool& p, const int32_t* tab, int64_t P, int64_t g, int64_t t, int64_t n) {
-    for (int64_t j = t; j < t + n;) {
-      const int64_t run = std::min(t + n - j, P - j % P);
-      int64_t len;
-      const char* base = row_bytes(p, tab[j / P], g, j % P, &len);
-      const int64_t stride = p.D ? len / p.D * p.s_row : 0;
-      if (stride == len)
-        spans.push_back({base, (run * len + 63) / 64}), total += spans.back().lines;
-      else
-        for (int64_t u = 0; u < run; ++u)
-          spans.push_back({base + u * stride, (len + 63) / 64}), total += (len + 63) / 64;
-      j += run;
-    }
+    row_stretches(p, tab, P, g, t, n, [&](const char* first, int64_t lines) {
+      spans.push_back({first, lines});
+      total += lines;
+    });
   }
   // the next `count` lines into L2
   void issue(int64_t count) {

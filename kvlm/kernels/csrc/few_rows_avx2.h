@@ -114,7 +114,8 @@ inline void block_4xn(const float* x, const float* w, int64_t K, float* y, int64
         _mm_prefetch(reinterpret_cast<const char*>(w + j * K + k) + kNearBytes, _MM_HINT_T0);
       }
     if (SPREAD)
-      for (int64_t i = 0; i < per_step && pf_lines > 0; ++i, --pf_lines, pf += 64) _mm_prefetch(pf, KVLM_FEW_SPREAD_HINT);
+      for (int64_t i = 0; i < per_step && pf_lines > 0; ++i, --pf_lines, pf += 64)
+        _mm_prefetch(pf, KVLM_FEW_SPREAD_HINT);
     for (int r = 0; r < 4; ++r) {
       __m256 xv = _mm256_loadu_ps(x + r * K + k);
       if (SPREAD) asm("" : "+x"(xv));
