@@ -165,6 +165,13 @@ inline void row_blocks(int64_t M, F&& f) {
   if (M - r >= 1) f(std::integral_constant<int, 1>(), r);
 }
 
+#ifndef KVLM_FEW_UNIT  // build knob for measuring: weight rows a work unit
+#define KVLM_FEW_UNIT (KVLM_AVX2 ? 48 : 16)
+#endif
+// Weight rows a work unit of the threads: AVX-512's micro-kernel takes 16 at a time; AVX2's groups of 3 (from 4 rows
+// of x) fit 48 whole, where 16 left two groups of 2 (8 accumulators: 6 loads to 8 FMAs).
+constexpr int64_t kUnitRows = KVLM_FEW_UNIT;
+
 #if KVLM_AVX2 && !defined(KVLM_NO_4X3)
 // AVX2, M4 = 4, 8, ... rows of x: the weight rows [n0, n1) in groups of 3 (the last 4 or 2 as 2 + 2: no FMAs on
 // repeated rows), each group against each 4 rows of x in turn (few_rows_avx2.h's block_4xn: one pass a 4 rows).
@@ -186,7 +193,18 @@ inline void groups_4xn(const float* x, int64_t M4, const float* w, int64_t K, in
         block_4xn<decltype(nb_tag)::value, SPREAD>(x + r * K, w + n * K, K, y + r * ys + n, ys,
                                                    bias ? bias + n : nullptr, r == 0, ahead + l0 * 64, l1 - l0);
       };
-      if (nb == 3) run(std::integral_constant<int, 3>());
+      // 3 rows, several passes: loop_4x3, pass p prefetching its share of the group's 3 lines an iteration of
+      // 16 columns (2 + 1 at 8 rows), starting where the passes before it stopped
+      const int64_t p = r / 4, share = 3 / passes + (p < 3 % passes), iters = K / 16;
+      const char* from = ahead + (p * (3 / passes) + std::min<int64_t>(p, 3 % passes)) * iters * 64;
+      const auto run3 = [&](auto pf_tag) {
+        block_4xn<3, true, decltype(pf_tag)::value>(x + r * K, w + n * K, K, y + r * ys + n, ys,
+                                                    bias ? bias + n : nullptr, false, from, 0);
+      };
+      if (nb == 3 && SPREAD && share == 2) run3(std::integral_constant<int, 2>());
+      else if (nb == 3 && SPREAD && share == 1) run3(std::integral_constant<int, 1>());
+      else if (nb == 3 && SPREAD) run3(std::integral_constant<int, 0>());
+      else if (nb == 3) run(std::integral_constant<int, 3>());
       else if (nb == 2) run(std::integral_constant<int, 2>());
       else run(std::integral_constant<int, 1>());
     }
@@ -195,7 +213,7 @@ inline void groups_4xn(const float* x, int64_t M4, const float* w, int64_t K, in
 }
 #endif
 
-// The 16 weight rows [n0, n1) of one weight against every row of x (M rows), by row blocks of 8, 4, 2, 1.
+// A unit's weight rows [n0, n1) of one weight against every row of x (M rows), by row blocks of 8, 4, 2, 1.
 inline void rows_block(const float* x, int64_t M, const float* w, int64_t K, int64_t n0, int64_t n1, float* y,
                        int64_t ys, const float* bias) {
 #if KVLM_AVX2 && !defined(KVLM_NO_4X3)
@@ -241,10 +259,10 @@ inline at::Tensor linear(const at::Tensor& x, const std::vector<at::Tensor>& wei
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
   auto y = at::empty(shape, x.options());
-  // the blocks of 16 weight rows of every weight, in order: (weight, first row)
+  // the units of kUnitRows weight rows of every weight, in order: (weight, first row)
   std::vector<std::pair<int, int64_t>> blocks;
   for (size_t i = 0; i < weights.size(); ++i)
-    for (int64_t n = 0; n < weights[i].size(0); n += 16) blocks.emplace_back(static_cast<int>(i), n);
+    for (int64_t n = 0; n < weights[i].size(0); n += kUnitRows) blocks.emplace_back(static_cast<int>(i), n);
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   if (M == 0) return y;
@@ -253,7 +271,7 @@ inline at::Tensor linear(const at::Tensor& x, const std::vector<at::Tensor>& wei
     const int64_t n = blocks[b].second, rows = weights[i].size(0);
     const auto& bias = biases[i];
     const float* bp = bias.has_value() && bias->defined() ? bias->data_ptr<float>() : nullptr;
-    rows_block(xp, M, weights[i].data_ptr<float>(), K, n, std::min(rows, n + 16), yp + offset[i], N, bp);
+    rows_block(xp, M, weights[i].data_ptr<float>(), K, n, std::min(rows, n + kUnitRows), yp + offset[i], N, bp);
   });
   return y;
 }
