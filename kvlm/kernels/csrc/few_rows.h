@@ -48,8 +48,12 @@ constexpr int64_t kFarBytes = KVLM_FEW_FAR, kNearBytes = KVLM_FEW_NEAR;  // into
 #ifndef KVLM_FEW_SPREAD_PASSES  // build knob: the spread prefetch from this many passes of 4 rows (else far / near)
 #define KVLM_FEW_SPREAD_PASSES 2
 #endif
-#ifndef KVLM_FEW_SPREAD_HINT  // build knob: where the spread prefetch puts the lines (_MM_HINT_T1: L2)
+#ifdef KVLM_FEW_SPREAD_L2  // build knob: the spread prefetch into L2 (else L1)
+#define KVLM_FEW_SPREAD_HINT _MM_HINT_T1
+#define KVLM_FEW_SPREAD_INSN "prefetcht1"
+#else
 #define KVLM_FEW_SPREAD_HINT _MM_HINT_T0
+#define KVLM_FEW_SPREAD_INSN "prefetcht0"
 #endif
 constexpr int64_t kSpreadBytes = KVLM_FEW_SPREAD;
 #ifndef KVLM_FEW_MAX_RB  // build knob for measuring: the largest row block (8 or 4)

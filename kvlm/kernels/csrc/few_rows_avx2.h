@@ -140,7 +140,7 @@ inline void loop_4x3(const float* x, const float* w, int64_t K, int64_t K16, con
       "1:\n\t"  // two steps of 8 columns, then PF prefetches
       KVLM_STEP_4X3(0) KVLM_STEP_4X3(32)
       ".rept %c[npf]\n\t"
-      "prefetcht0 (%[pf])\n\t"
+      KVLM_FEW_SPREAD_INSN " (%[pf])\n\t"
       "add $64, %[pf]\n\t"
       ".endr\n\t"
       "add $16, %[k]\n\t"
