@@ -41,19 +41,20 @@ def _reference(x, weights, biases):
     )
 
 
-@pytest.mark.parametrize("rows", range(1, 9))
+@pytest.mark.parametrize("rows", range(1, 17))
 @pytest.mark.parametrize("k", [1, 37, 64, 200])
 def test_the_kernel_computes_the_products(rows, k):
-    """Every row count up to 8 (row blocks of 8, 4, 2, 1; on AVX2 from 4 rows blocks of 4 rows x 3 weight rows and
-    the rest), feature counts off and on the vector width, weights of any number of rows (not whole blocks of 16,
-    nor of 3), with and without biases, concatenated in one output."""
+    """Every row count up to 16 (row blocks of 8, 4, 2, 1; on AVX2 from 4 rows blocks of 4 rows x 3 weight rows,
+    from 8 rows their loop in assembly with each pass's share of the prefetch, and the rest), feature counts off and
+    on the vector width and its double, weights of any number of rows (not whole work units, nor groups of 3), with
+    and without biases, concatenated in one output."""
     torch.manual_seed(rows * 1000 + k)
     x = torch.randn(2, rows, k)[1]  # a view: the kernel reads it as given
-    weights = [torch.randn(n, k) for n in (33, 16, 5)]
-    biases = [torch.randn(33), None, torch.randn(5)]
+    weights = [torch.randn(n, k) for n in (53, 16, 5)]
+    biases = [torch.randn(53), None, torch.randn(5)]
     with torch.no_grad():
-        got = few_rows.few_rows_linear(x, weights, biases)
-    assert got is not None and got.shape == (rows, 54)
+        got = few_rows.few_rows_linear(x, weights, biases, first=rows <= few_rows.FEW_ROWS)
+    assert got is not None and got.shape == (rows, 74)
     torch.testing.assert_close(got.double(), _reference(x, weights, biases), rtol=1e-5, atol=1e-5 * k**0.5)
 
 

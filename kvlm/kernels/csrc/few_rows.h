@@ -11,8 +11,9 @@
 // one after another: one sequential stream a thread, as the MHA score pass reads its keys; measured on the AMD
 // EPYC, 268 MB of weights: at 1 row 1.02-1.07x faster than 16 rows side by side when the probe read ~50 GB/s and
 // 1.085-1.10x when it read ~80, at the probe's rate both times; at 2 rows 1.01-1.07x, at 3 rows 1.00-1.05x).
-// The blocks of 16 weight rows of all the weights of a call (q/k/v, gate/up: one input) are split over the threads
-// in one parallel loop, each thread streaming a contiguous run of them (steal.h: then the back of a slower one's).
+// The units of weight rows (kUnitRows: 16 on AVX-512, 48 on AVX2) of all the weights of a call (q/k/v, gate/up: one
+// input) are split over the threads in one parallel loop, each thread streaming a contiguous run of them (steal.h:
+// then the back of a slower one's).
 // From 4 rows on (compute-dense enough that the core's own window of misses no longer covers memory's latency) each
 // weight row is prefetched twice: 32 KiB ahead into L2 and 2 KiB ahead into L1. A prefetch into L1 holds one of the
 // core's few L1 miss buffers until the line arrives from memory, which caps a core's stream; into L2 it does not,
