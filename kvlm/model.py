@@ -228,7 +228,8 @@ class KVLM(nn.Module):
     def pack_for_decode(self, rows: int | str | None) -> int:
         """Pack every weight GEMM and the LM head for decode (``kvlm.attention.linear``): ``rows`` an int, MKL's
         layout for steps of exactly ``rows`` = batch x new tokens rows (other row counts keep the unpacked path);
-        ``ANY_ROWS``, oneDNN's layout for steps of any number of rows (the serving engine); None drops the
+        ``ANY_ROWS``, oneDNN's layout for steps of any number of rows (the serving engine; ``PAST_KERNEL`` the same
+        for the rows past the few-row kernel's, which takes those up to ``MAX_ROWS``); None drops the
         packed copies. Linears that read the same input and run as one GEMM at decode (SwiGLU's W1 and W2, MHA's
         W^Q, W^K, W^V: ``GroupPacking``) are packed together instead of one by one. Returns how many weights were
         packed (0 off CPU float32 / without the library)."""

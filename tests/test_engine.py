@@ -711,3 +711,27 @@ def test_seeded_request_in_mixed_steps_samples_as_alone(models):
         hook.remove()
     assert first != mine and got[mine] == alone
     assert sum(kind == "PackedBatch" for _, kind in _calls(calls)) >= 2
+
+
+@pytest.mark.parametrize("leads", [True, False])
+def test_weights_packed_past_the_kernel_where_it_leads(leads, monkeypatch):
+    """float32 on CPU the engine packs oneDNN's layout for the rows past the few-row kernel's where the kernel
+    measured faster at its most rows (``kernel_leads``), else for any rows; greedy output equals the unpacked
+    engine's either way (12 requests: decode steps of 12 rows)."""
+    import kvlm.serve.engine as engine_module
+    from kvlm.attention.linear import ANY_ROWS, PAST_KERNEL, packing_available
+
+    if not packing_available(ANY_ROWS):
+        pytest.skip("no oneDNN in this torch build: nothing to pack")
+    monkeypatch.setattr(engine_module, "kernel_leads", lambda weight: leads)
+    torch.manual_seed(0)
+    model = build_model(tiny_config("mha", max_seq_len=96)).eval()
+    prompts = _prompts(12, lengths=(5, 11, 2, 30, 17, 3, 8, 9, 4, 6, 12, 7))
+    params = SamplingParams(max_tokens=6, **GREEDY)
+    plain = Engine(model, cache_tokens=2048, pack_weights=False)
+    want, _, _ = _run(plain, prompts, params)
+    engine = Engine(model, cache_tokens=2048)
+    assert engine.weight_layout == (PAST_KERNEL if leads else ANY_ROWS) and engine.packed_weights > 0
+    assert model.lm_head._packed[0][2] == engine.weight_layout
+    got, _, _ = _run(engine, prompts, params)
+    assert got == want

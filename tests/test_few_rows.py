@@ -11,7 +11,16 @@ import torch.nn.functional as F
 from conftest import require_kernels, tiny_config
 
 from kvlm import build_model
-from kvlm.attention.linear import ANY_ROWS, PANELS, GroupPacking, Linear, packing_available
+from kvlm.attention.linear import (
+    ANY_ROWS,
+    PANELS,
+    PAST_KERNEL,
+    GroupPacking,
+    Linear,
+    kernel_leads,
+    library_packed,
+    packing_available,
+)
 from kvlm.bench.flops import CountFlops
 from kvlm.kernels import few_rows
 from kvlm.kernels.shared import LINEAR_CALLS
@@ -335,6 +344,55 @@ def test_the_step_runs_its_products_through_it_with_the_same_logits(attention, e
         assert linear_calls == products - grouped  # a group's Linears run inside its one call
         assert calls == products - grouped + len(groups)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_past_kernel_leaves_the_kernels_rows_to_it():
+    """pack_for_decode(PAST_KERNEL) (the serving engine's where the kernel measured faster): oneDNN's copy serves
+    only the products past MAX_ROWS rows, the few-row kernel those up to them on the plain weight, so a block
+    kernel need not decline them (library_packed); ANY_ROWS's copy takes them from 9 rows."""
+    if not packing_available(ANY_ROWS):
+        pytest.skip("no oneDNN in this torch build: nothing to pack")
+    torch.manual_seed(0)
+    lin = Linear(48, 40, bias=True).eval()
+    for layout, kernel_rows in ((PAST_KERNEL, (4, 8, 12, 16)), (ANY_ROWS, (4, 8))):
+        assert lin.pack_for_decode(layout)
+        assert library_packed([lin]) == (layout == ANY_ROWS)
+        with torch.no_grad():
+            for rows in (4, 8, 12, 16, 17, 32):
+                x = torch.randn(rows, 1, 48)
+                before = LINEAR_CALLS["few_rows"]
+                got = lin(x)
+                assert (LINEAR_CALLS["few_rows"] - before == 1) == (rows in kernel_rows), (layout, rows)
+                torch.testing.assert_close(got.double(), _reference(x, [lin.weight], [lin.bias]), rtol=1e-5, atol=1e-5)
+
+
+def test_past_kernel_in_a_model_runs_its_groups_on_the_kernel():
+    """A model packed PAST_KERNEL runs a 12-row step's products (grouped W1 / W2, W^Q / W^K / W^V, the rest) on the
+    kernel, an ANY_ROWS one on oneDNN's copy, both with the unpacked model's logits."""
+    if not packing_available(ANY_ROWS):
+        pytest.skip("no oneDNN in this torch build: nothing to pack")
+    torch.manual_seed(0)
+    model = build_model(tiny_config("mha")).eval()
+    tok = torch.randint(0, 97, (12, 1))
+    with torch.inference_mode():
+        want = model(tok)
+        for layout in (PAST_KERNEL, ANY_ROWS):
+            assert model.pack_for_decode(layout) > 0
+            assert library_packed(model.modules()) == (layout == ANY_ROWS)
+            before = LINEAR_CALLS["few_rows"]
+            got = model(tok)
+            assert (LINEAR_CALLS["few_rows"] > before) == (layout == PAST_KERNEL)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        model.pack_for_decode(None)
+
+
+def test_kernel_leads_times_the_two():
+    """kernel_leads races the kernel against oneDNN's layout at up to MAX_ROWS rows (a weight it cannot take, or
+    more rows, is False), and is what the serving engine's layout follows."""
+    w = torch.randn(256, 64)
+    assert kernel_leads(w, rows=17) is False  # past the kernel's rows
+    assert kernel_leads(w.double()) is False  # not float32
+    assert isinstance(kernel_leads(w), bool)
 
 
 def test_a_step_through_it_counts_the_same_flops(monkeypatch):

@@ -47,6 +47,7 @@ from kvlm.attention.watch import version as _version
 from kvlm.kernels.few_rows import (
     FEW_ROWS,
     MAX_ROWS,
+    few_rows_available,
     few_rows_fit,
     few_rows_linear,
     pack_panels,
@@ -56,6 +57,9 @@ from kvlm.kernels.few_rows import (
 from kvlm.kernels.library import packed_linear, register_packed
 
 ANY_ROWS = "any"  # pack_for_decode(ANY_ROWS): one layout for products of any number of rows (oneDNN)
+# pack_for_decode(PAST_KERNEL): oneDNN's layout for the products past the few-row kernel's MAX_ROWS rows, the kernel
+# on the plain weight up to them (the serving engine, where the kernel measured faster at MAX_ROWS: kernel_leads)
+PAST_KERNEL = "past_kernel"
 PANELS = "panels"  # pack_for_decode(PANELS): the few-row kernel's panels, 1 to MAX_ROWS rows, before the kernel
 # rows from which fastest_packing times the panels: at 1 row they streamed level with the kernel on the plain weight
 # or up to 1.10x faster and the decode step at batch 1 ran 1.00-1.05x (benchmarks/step_panels.py), not worth a second
@@ -68,20 +72,22 @@ def packing_available(rows: int | str) -> bool:
     oneDNN for ``ANY_ROWS``, the few-row kernel's panels (AVX-512, kernels built) for ``PANELS``."""
     if rows == PANELS:
         return panels_available()
-    if rows == ANY_ROWS:
+    if rows in (ANY_ROWS, PAST_KERNEL):
         return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
 
 
 def _check_rows(rows) -> None:
-    if rows not in (ANY_ROWS, PANELS) and (not isinstance(rows, int) or isinstance(rows, bool) or rows < 1):
-        raise ValueError(f"rows must be an integer >= 1, {ANY_ROWS!r} or {PANELS!r}, got {rows!r}")
+    if rows not in (ANY_ROWS, PANELS, PAST_KERNEL) and (
+        not isinstance(rows, int) or isinstance(rows, bool) or rows < 1
+    ):
+        raise ValueError(f"rows must be an integer >= 1, {ANY_ROWS!r}, {PAST_KERNEL!r} or {PANELS!r}, got {rows!r}")
 
 
 def _reorder(w: torch.Tensor, rows: int | str) -> torch.Tensor:
     if rows == PANELS:
         return pack_panels(w)
-    if rows == ANY_ROWS:
+    if rows in (ANY_ROWS, PAST_KERNEL):
         return torch.ops.mkldnn._reorder_linear_weight(w, None)
     return torch.ops.mkl._mkl_reorder_linear_weight(w, rows)
 
@@ -89,7 +95,7 @@ def _reorder(w: torch.Tensor, rows: int | str) -> torch.Tensor:
 def _packed_product(x, packed, shape_weight, bias, rows: int | str, count: bool = True) -> torch.Tensor:
     if rows == PANELS:  # the libraries' products are counted by torch's FLOP counter, the kernel's here
         return panel_product(x, packed, shape_weight.shape[0], bias, count)
-    if rows == ANY_ROWS:
+    if rows in (ANY_ROWS, PAST_KERNEL):
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return torch.ops.mkl._mkl_linear(x, packed, shape_weight, bias, rows)
 
@@ -125,13 +131,7 @@ def fastest_packing(weight: torch.Tensor, rows: int, rounds: int = 5) -> int | s
                     arms[layout] = lambda packed=packed, layout=layout: _packed_product(
                         x, packed, w, None, layout, count=False
                     )
-            times: dict = {k: [] for k in arms}
-            for _ in range(rounds if len(arms) > 1 else 0):
-                for k, f in arms.items():
-                    t0 = time.perf_counter()
-                    f()
-                    times[k].append(time.perf_counter() - t0)
-        median = {k: statistics.median(v) if v else 0.0 for k, v in times.items()}
+            median = _race(arms, rounds if len(arms) > 1 else 0)
         best = min(median, key=median.get)
         # a copy of the weights only for a clear gain: near-ties would flip with the machine's noise from one
         # process to the next (and with them the last bits of the products)
@@ -139,10 +139,48 @@ def fastest_packing(weight: torch.Tensor, rows: int, rounds: int = 5) -> int | s
     return _FASTEST[key]
 
 
+def _race(arms: dict, rounds: int) -> dict:
+    """The median time of each of ``arms`` (functions of no arguments) over ``rounds`` interleaved rounds (0.0 for
+    none)."""
+    times: dict = {k: [] for k in arms}
+    for _ in range(rounds):
+        for k, f in arms.items():
+            t0 = time.perf_counter()
+            f()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) if v else 0.0 for k, v in times.items()}
+
+
+def kernel_leads(weight: torch.Tensor, rows: int = MAX_ROWS, rounds: int = 5) -> bool:
+    """Whether the few-row kernel on the plain weight computes ``rows``-row products by ``weight`` faster than
+    oneDNN's layout (``ANY_ROWS``) on this machine, timed in ``rounds`` interleaved rounds (False where either is
+    missing). The serving engine packs ``PAST_KERNEL`` where it does: on this project's Zen 3 EPYC (AVX2) the
+    kernel ran the reference shape's weights at 8 / 12 / 16 rows in 13.0 / 14.6 / 16.8 ms against oneDNN's 20.8 /
+    24.8 / 27.4 (benchmarks/decode-limit.md); on the AVX-512 EPYC oneDNN was ahead at 12-16 rows."""
+    if not 0 < rows <= MAX_ROWS or not packing_available(ANY_ROWS) or not _plain_cpu_float32(weight):
+        return False
+    with torch.no_grad():
+        w = weight.detach().contiguous()
+        x = torch.randn(rows, w.shape[1], dtype=w.dtype)
+        if few_rows_linear(x, [w], [None], count=False, first=False) is None:
+            return False  # no kernel here (not built, disabled, not AVX2 / AVX-512)
+        packed = _reorder(w, ANY_ROWS)
+        median = _race(
+            {
+                "kernel": lambda: few_rows_linear(x, [w], [None], count=False, first=False),
+                "oneDNN": lambda: _packed_product(x, packed, w, None, ANY_ROWS, count=False),
+            },
+            rounds,
+        )
+    return median["kernel"] < median["oneDNN"]
+
+
 def _applies(rows: int | str, n: int) -> bool:
     """Whether weights packed for ``rows`` serve a product of n rows."""
     if rows == PANELS:
         return 1 <= n <= MAX_ROWS
+    if rows == PAST_KERNEL:  # up to MAX_ROWS the few-row kernel (oneDNN's copy where it is missing)
+        return n > MAX_ROWS or (n >= Linear.min_rows and not few_rows_available())
     return n >= Linear.min_rows if rows == ANY_ROWS else n == rows
 
 
@@ -290,9 +328,9 @@ def library_packed(modules) -> bool:
     the few-row kernel (``fastest_packing``), so a block kernel, whose products are the few-row kernel's, declines
     those rows (``kvlm.kernels.block.BlockCall.wide``)."""
     for m in modules:
-        if isinstance(m, Linear) and m._packed is not None and not m.packed_first():
+        if isinstance(m, Linear) and m._packed is not None and m._packed[0][2] not in (PANELS, PAST_KERNEL):
             return True
-        if any(not g.packed_first() for g in m.__dict__.get("_decode_groups", {}).values()):
+        if any(g.rows not in (PANELS, PAST_KERNEL) for g in m.__dict__.get("_decode_groups", {}).values()):
             return True
     return False
 

@@ -41,7 +41,7 @@ import secrets
 
 import torch
 
-from kvlm.attention.linear import ANY_ROWS
+from kvlm.attention.linear import ANY_ROWS, PAST_KERNEL, kernel_leads
 from kvlm.cache import PagedKVCache
 from kvlm.cache.paged_batch import PackedBatch
 from kvlm.kernels import MAX_NEW
@@ -64,7 +64,9 @@ class Engine:
     model's; "int8" or "fp8" quantised); at most ``max_batch`` sequences decode together, prompts are prefilled in chunks
     of ``prefill_chunk`` tokens, up to ``mix_tokens`` prompt tokens join the decodes' call (0: never), and
     shared prompt prefixes reuse pages unless ``enable_prefix_cache=False``; ``pack_weights`` (default on) packs the
-    weights for any row count on CPU (``KVLM.pack_for_decode(ANY_ROWS)``)."""
+    weights for any row count on CPU (``KVLM.pack_for_decode(ANY_ROWS)``), or for the rows past the few-row kernel's
+    where the kernel measured faster than the packed layout at its most rows (``PAST_KERNEL``, ``kernel_leads``;
+    ``weight_layout`` says which)."""
 
     def __init__(
         self,
@@ -93,8 +95,13 @@ class Engine:
         self.model = model.eval().prepare_for_inference()
         # a step's rows (decodes + packed prompt tokens, or a prefill chunk) change every step: the weights are
         # packed once in oneDNN's layout for any row count (kvlm.attention.linear; CPU float32 only, a second
-        # copy of the weights in memory), which streams them 1.5-2x faster than F.linear at 8-32 rows
-        self.packed_weights = self.model.pack_for_decode(ANY_ROWS) if pack_weights else 0
+        # copy of the weights in memory), which streams them 1.5-2x faster than F.linear at 8-32 rows; up to
+        # MAX_ROWS rows the few-row kernel runs instead where it measured faster here (PAST_KERNEL)
+        self.weight_layout = None
+        if pack_weights:
+            head = getattr(self.model, "lm_head", None)
+            self.weight_layout = PAST_KERNEL if head is not None and kernel_leads(head.weight) else ANY_ROWS
+        self.packed_weights = self.model.pack_for_decode(self.weight_layout) if pack_weights else 0
         self.tokenizer = tokenizer
         self.max_model_len: int = model.cfg.max_seq_len
         self.vocab_size: int = model.cfg.vocab_size
