@@ -15,6 +15,9 @@ autograd:
     dynamic batch): the serving engine, whose steps have any number of rows. Measured on this project's 2-core
     Intel machine, the reference shape's weights at 1 thread: 8 / 16 / 32 rows 51 / 61 / 101 ms against
     104 / 96 / 149 ms unpacked and 41 / 50 / 89 ms for MKL's layout packed for exactly that count.
+  - ``pack_for_decode(PAST_KERNEL)``: oneDNN's layout serving only the products past ``MAX_ROWS`` rows, the few-row
+    kernel those up to them: the serving engine where the kernel measured faster at ``MAX_ROWS`` rows
+    (``kernel_leads``; on the Zen 3 EPYC decode steps of 12-16 rows 1.74-1.89x faster, benchmarks/serve.md).
   - ``pack_for_decode(PANELS)``: the few-row kernel's panels (``kvlm.kernels.few_rows.pack_panels``: 32 weight
     rows column by column, read as one sequential stream), which serve 1 to ``MAX_ROWS`` rows and go before the
     plain-weight kernel: on this project's AMD EPYC 1.06-1.29x faster than it at 2-8 rows (level at 1), 1.14-1.17x
