@@ -155,9 +155,9 @@ def _race(arms: dict, rounds: int) -> dict:
 
 
 def kernel_leads(weight: torch.Tensor, rows: int = MAX_ROWS, rounds: int = 5) -> bool:
-    """Whether the few-row kernel on the plain weight computes ``rows``-row products by ``weight`` faster than
-    oneDNN's layout (``ANY_ROWS``) on this machine, timed in ``rounds`` interleaved rounds (False where either is
-    missing). The serving engine packs ``PAST_KERNEL`` where it does: on this project's Zen 3 EPYC (AVX2) the
+    """Whether the few-row kernel on the plain weight computes ``rows``-row products by ``weight`` at least
+    ``PACK_GAIN`` times faster than oneDNN's layout (``ANY_ROWS``) on this machine, timed in ``rounds`` interleaved
+    rounds (False where either is missing). The serving engine packs ``PAST_KERNEL`` where it does: on this project's Zen 3 EPYC (AVX2) the
     kernel ran the reference shape's weights at 8 / 12 / 16 rows in 13.0 / 14.6 / 16.8 ms against oneDNN's 20.8 /
     24.8 / 27.4 (benchmarks/decode-limit.md); on the AVX-512 EPYC oneDNN was ahead at 12-16 rows."""
     if not 0 < rows <= MAX_ROWS or not packing_available(ANY_ROWS) or not _plain_cpu_float32(weight):
@@ -175,7 +175,9 @@ def kernel_leads(weight: torch.Tensor, rows: int = MAX_ROWS, rounds: int = 5) ->
             },
             rounds,
         )
-    return median["kernel"] < median["oneDNN"]
+    # a clear lead only, as fastest_packing asks of a packed layout: a near tie would flip from one process to the
+    # next, and with it the last bits of a server's products
+    return median["kernel"] * PACK_GAIN <= median["oneDNN"]
 
 
 def _applies(rows: int | str, n: int) -> bool:
