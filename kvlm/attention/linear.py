@@ -64,6 +64,8 @@ ANY_ROWS = "any"  # pack_for_decode(ANY_ROWS): one layout for products of any nu
 # on the plain weight up to them (the serving engine, where the kernel measured faster at MAX_ROWS: kernel_leads)
 PAST_KERNEL = "past_kernel"
 PANELS = "panels"  # pack_for_decode(PANELS): the few-row kernel's panels, 1 to MAX_ROWS rows, before the kernel
+_ONEDNN_LAYOUTS = (ANY_ROWS, PAST_KERNEL)  # the layouts oneDNN's blocked copy stands behind
+_KERNEL_ROWS_KEPT = (PANELS, PAST_KERNEL)  # layouts that leave a block kernel its rows (up to MAX_ROWS)
 # rows from which fastest_packing times the panels: at 1 row they streamed level with the kernel on the plain weight
 # or up to 1.10x faster and the decode step at batch 1 ran 1.00-1.05x (benchmarks/step_panels.py), not worth a second
 # copy of the weights, and a near tie that flipped between processes
@@ -75,7 +77,7 @@ def packing_available(rows: int | str) -> bool:
     oneDNN for ``ANY_ROWS``, the few-row kernel's panels (AVX-512, kernels built) for ``PANELS``."""
     if rows == PANELS:
         return panels_available()
-    if rows in (ANY_ROWS, PAST_KERNEL):
+    if rows in _ONEDNN_LAYOUTS:
         return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
 
@@ -90,7 +92,7 @@ def _check_rows(rows) -> None:
 def _reorder(w: torch.Tensor, rows: int | str) -> torch.Tensor:
     if rows == PANELS:
         return pack_panels(w)
-    if rows in (ANY_ROWS, PAST_KERNEL):
+    if rows in _ONEDNN_LAYOUTS:
         return torch.ops.mkldnn._reorder_linear_weight(w, None)
     return torch.ops.mkl._mkl_reorder_linear_weight(w, rows)
 
@@ -98,7 +100,7 @@ def _reorder(w: torch.Tensor, rows: int | str) -> torch.Tensor:
 def _packed_product(x, packed, shape_weight, bias, rows: int | str, count: bool = True) -> torch.Tensor:
     if rows == PANELS:  # the libraries' products are counted by torch's FLOP counter, the kernel's here
         return panel_product(x, packed, shape_weight.shape[0], bias, count)
-    if rows in (ANY_ROWS, PAST_KERNEL):
+    if rows in _ONEDNN_LAYOUTS:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return torch.ops.mkl._mkl_linear(x, packed, shape_weight, bias, rows)
 
@@ -333,9 +335,9 @@ def library_packed(modules) -> bool:
     the few-row kernel (``fastest_packing``), so a block kernel, whose products are the few-row kernel's, declines
     those rows (``kvlm.kernels.block.BlockCall.wide``)."""
     for m in modules:
-        if isinstance(m, Linear) and m._packed is not None and m._packed[0][2] not in (PANELS, PAST_KERNEL):
+        if isinstance(m, Linear) and m._packed is not None and m._packed[0][2] not in _KERNEL_ROWS_KEPT:
             return True
-        if any(g.rows not in (PANELS, PAST_KERNEL) for g in m.__dict__.get("_decode_groups", {}).values()):
+        if any(g.rows not in _KERNEL_ROWS_KEPT for g in m.__dict__.get("_decode_groups", {}).values()):
             return True
     return False
 

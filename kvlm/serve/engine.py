@@ -97,11 +97,11 @@ class Engine:
         # packed once in oneDNN's layout for any row count (kvlm.attention.linear; CPU float32 only, a second
         # copy of the weights in memory), which streams them 1.5-2x faster than F.linear at 8-32 rows; up to
         # MAX_ROWS rows the few-row kernel runs instead where it measured faster here (PAST_KERNEL)
-        self.weight_layout = None
+        self.weight_layout, self.packed_weights = None, 0
         if pack_weights:
             head = getattr(self.model, "lm_head", None)
             self.weight_layout = PAST_KERNEL if head is not None and kernel_leads(head.weight) else ANY_ROWS
-        self.packed_weights = self.model.pack_for_decode(self.weight_layout) if pack_weights else 0
+            self.packed_weights = self.model.pack_for_decode(self.weight_layout)
         self.tokenizer = tokenizer
         self.max_model_len: int = model.cfg.max_seq_len
         self.vocab_size: int = model.cfg.vocab_size
