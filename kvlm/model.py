@@ -122,7 +122,7 @@ class Block(Watched, nn.Module):
         weights = self.decode_block_weights()
         plan = getattr(self.attn, "decode_block_plan", None)  # a tensor-parallel wrapper has none
         plan = plan(weights) if weights is not None and plan is not None else None
-        if plan is not None:  # 9-16 rows too, unless its modules would run them on a library's packed copy
+        if plan is not None:  # 9 to MAX_ROWS rows too, unless its modules would run them on a library's packed copy
             plan.call.wide = not library_packed(self.modules())
         return plan
 

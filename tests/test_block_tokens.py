@@ -13,6 +13,7 @@ from conftest import require_kernels, tiny_config, twin_paged_caches
 
 from kvlm import build_model, kernels
 from kvlm.kernels import cpu as kcpu
+from kvlm.kernels import few_rows
 from kvlm.model import Block
 
 MLA = dict(kv_lora_rank=64, rope_head_dim=16)
@@ -71,8 +72,9 @@ def test_calls_of_a_few_tokens_equal_the_modules_and_the_full_forward(monkeypatc
 
 def test_more_rows_than_the_kernels_take_run_module_by_module():
     model = _model("gqa", dict(n_kv_head=2))
-    tokens = torch.randint(0, 101, (3, 15), generator=torch.Generator().manual_seed(2))
-    got, stacks = _chunks(model, tokens, (6, 6, 2, 1))  # 18, 18, 6 and 3 rows (MAX_ROWS 16)
+    wide = few_rows.MAX_ROWS // 3 + 1  # 3 sequences x wide tokens: past MAX_ROWS rows
+    tokens = torch.randint(0, 101, (3, 2 * wide + 3), generator=torch.Generator().manual_seed(2))
+    got, stacks = _chunks(model, tokens, (wide, wide, 2, 1))  # 3 wide, 3 wide, 6 and 3 rows
     assert stacks == [0, 0, 1, 1]
     with torch.inference_mode():
         torch.testing.assert_close(got, model(tokens), rtol=2e-5, atol=2e-5)

@@ -12,6 +12,7 @@ from conftest import require_kernels, tiny_config
 from kvlm import build_model, kernels
 from kvlm.cache import PagedKVCache
 from kvlm.kernels import cpu as kcpu
+from kvlm.kernels import few_rows
 from kvlm.model import Block
 
 
@@ -172,9 +173,10 @@ def test_declines_autograd_quantized_pools_and_many_rows():
             model(tokens[i : i + 1, :7], cache=paged.batch([i]))
         model(tokens[:, 7:], cache=paged.batch([0, 1]))
         assert kernels.CALLS["gqa_block"] == 0  # int8 pools: the store quantizes
-        big = model.new_cache(17, 64)
-        model(torch.zeros(17, 3, dtype=torch.long), big)
-        model(torch.zeros(17, 1, dtype=torch.long), big)
+        many = few_rows.MAX_ROWS + 1
+        big = model.new_cache(many, 64)
+        model(torch.zeros(many, 3, dtype=torch.long), big)
+        model(torch.zeros(many, 1, dtype=torch.long), big)
         assert kernels.CALLS["gqa_block"] == 0  # past the few-row kernel's rows (MAX_ROWS)
 
 

@@ -50,11 +50,12 @@ def _reference(x, weights, biases):
     )
 
 
-@pytest.mark.parametrize("rows", range(1, 17))
+@pytest.mark.parametrize("rows", range(1, few_rows.MAX_ROWS + 1))
 @pytest.mark.parametrize("k", [1, 37, 64, 200])
 def test_the_kernel_computes_the_products(rows, k):
-    """Every row count up to 16 (row blocks of 8, 4, 2, 1; on AVX2 from 4 rows blocks of 4 rows x 3 weight rows,
-    from 8 rows their loop in assembly with each pass's share of the prefetch, and the rest), feature counts off and
+    """Every row count up to MAX_ROWS (row blocks of 8, 4, 2, 1; on AVX2 from 4 rows blocks of 4 rows x 3 weight
+    rows, from 8 rows their loop in assembly with each pass's share of the prefetch: 2 + 1, 1 + 1 + 1, and from 16
+    rows (4 passes and more, to 32 on AVX2) some passes none; and the rest), feature counts off and
     on the vector width and its double, weights of any number of rows (not whole work units, nor groups of 3), with
     and without biases, concatenated in one output."""
     torch.manual_seed(rows * 1000 + k)
@@ -114,10 +115,21 @@ def _off(monkeypatch):
     monkeypatch.setattr(few_rows, "MAX_ROWS", 0)
 
 
+def test_its_rows_follow_the_micro_kernel_built():
+    """MAX_ROWS is 32 where the kernel built its AVX2 micro-kernel (ahead of oneDNN's layout there to 32 rows: 1.35x
+    at 32, 1.18x at 48 on the Zen 3 EPYC), 16 on AVX-512 (oneDNN ahead from 12-16 rows); the guess from the CPU's
+    flags made at import (kvlm.kernels.cpu.avx2_only) agrees with what the compiler built."""
+    from kvlm.kernels import cpu
+
+    built_avx2 = bool(cpu.extension().avx2)
+    assert cpu.avx2_only() == built_avx2
+    assert few_rows.MAX_ROWS == (32 if built_avx2 else 16)
+
+
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_takes_it_up_to_16_rows_and_a_packed_copy_from_9(bias):
-    """Up to 8 rows the kernel takes the product before any packed copy; 9-16 rows it takes those that no packed
-    copy serves; beyond, the library."""
+def test_linear_takes_it_up_to_max_rows_and_a_packed_copy_from_9(bias):
+    """Up to 8 rows the kernel takes the product before any packed copy; 9 to MAX_ROWS rows (16; 32 on AVX2) it
+    takes those that no packed copy serves; beyond, the library."""
     torch.manual_seed(0)
     lin = Linear(48, 40, bias=bias).eval()
 
@@ -129,7 +141,8 @@ def test_linear_takes_it_up_to_16_rows_and_a_packed_copy_from_9(bias):
         return LINEAR_CALLS["few_rows"] - before == 1
 
     with torch.no_grad():
-        assert [through_kernel(rows) for rows in (1, 3, 8, 9, 16, 17)] == [True] * 5 + [False]
+        most = few_rows.MAX_ROWS
+        assert [through_kernel(rows) for rows in (1, 3, 8, 9, 16, most, most + 1)] == [True] * 6 + [False]
         if packing_available(12):
             assert lin.pack_for_decode(12)
             assert not through_kernel(12)  # the packed copy
@@ -237,11 +250,11 @@ def test_fastest_packing_names_a_layout_only_for_a_clear_gain(monkeypatch):
 
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("k", [1, 37, 64, 200])
-def test_panels_take_1_to_16_rows_before_the_kernel(bias, k):
-    """A Linear packed in the kernel's panels (32 weight rows column by column) takes products of 1-16 rows through
-    them, before the kernel on the plain weight, with float64's values: 33 weight rows (a partial panel), feature
-    counts off and on the vector width, row blocks of 8, 4, 2, 1 and their sums, leading axes kept; beyond 16 rows
-    the unpacked product."""
+def test_panels_take_1_to_max_rows_before_the_kernel(bias, k):
+    """A Linear packed in the kernel's panels (32 weight rows column by column) takes products of 1 to MAX_ROWS (16)
+    rows through them, before the kernel on the plain weight, with float64's values: 33 weight rows (a partial
+    panel), feature counts off and on the vector width, row blocks of 8, 4, 2, 1 and their sums, leading axes kept;
+    beyond MAX_ROWS rows the unpacked product."""
     _require_panels()
     torch.manual_seed(k)
     lin = Linear(k, 33, bias=bias).eval()
@@ -255,7 +268,7 @@ def test_panels_take_1_to_16_rows_before_the_kernel(bias, k):
             want = _reference(x, [lin.weight], [lin.bias])
             torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5 * k**0.5)
             calls = (LINEAR_CALLS["panels"] - panels, LINEAR_CALLS["few_rows"] - plain)
-            assert calls == ((1, 0) if rows <= 16 else (0, 0)), rows
+            assert calls == ((1, 0) if rows <= few_rows.MAX_ROWS else (0, 0)), rows
 
 
 def test_panels_step_aside_for_a_written_weight_and_for_autograd():
@@ -354,11 +367,12 @@ def test_past_kernel_leaves_the_kernels_rows_to_it():
         pytest.skip("no oneDNN in this torch build: nothing to pack")
     torch.manual_seed(0)
     lin = Linear(48, 40, bias=True).eval()
-    for layout, kernel_rows in ((PAST_KERNEL, (4, 8, 12, 16)), (ANY_ROWS, (4, 8))):
+    most = few_rows.MAX_ROWS
+    for layout, kernel_rows in ((PAST_KERNEL, (4, 8, 12, 16, most)), (ANY_ROWS, (4, 8))):
         assert lin.pack_for_decode(layout)
         assert library_packed([lin]) == (layout == ANY_ROWS)
         with torch.no_grad():
-            for rows in (4, 8, 12, 16, 17, 32):
+            for rows in (4, 8, 12, 16, most, most + 1):
                 x = torch.randn(rows, 1, 48)
                 before = LINEAR_CALLS["few_rows"]
                 got = lin(x)
@@ -390,7 +404,7 @@ def test_kernel_leads_times_the_two():
     """kernel_leads races the kernel against oneDNN's layout at up to MAX_ROWS rows (a weight it cannot take, or
     more rows, is False), and is what the serving engine's layout follows."""
     w = torch.randn(256, 64)
-    assert kernel_leads(w, rows=17) is False  # past the kernel's rows
+    assert kernel_leads(w, rows=few_rows.MAX_ROWS + 1) is False  # past the kernel's rows
     assert kernel_leads(w.double()) is False  # not float32
     assert isinstance(kernel_leads(w), bool)
 
@@ -449,7 +463,7 @@ def _heads_reference(x, w):
     return torch.einsum("bhtp,hpc->bhtc", x.double(), w.double())
 
 
-@pytest.mark.parametrize("B,T", [(1, 1), (3, 1), (1, 4), (2, 3), (16, 1)])
+@pytest.mark.parametrize("B,T", [(1, 1), (3, 1), (1, 4), (2, 3), (16, 1), (few_rows.MAX_ROWS // 4, 4)])
 @pytest.mark.parametrize("a,b", [(64, 256), (256, 64), (37, 48), (1, 16)])
 def test_the_per_head_products_match_float64(B, T, a, b):
     """MLA's absorption products x_h W_h (``few_rows_head_matmul``): every row block (4, 2, 1 rows), column
@@ -471,7 +485,8 @@ def test_the_per_head_products_decline_what_they_do_not_take(monkeypatch):
     x, w = torch.randn(2, 3, 1, 32), torch.randn(3, 32, 64)
     with torch.no_grad():
         assert few_rows.few_rows_head_matmul(x, w) is not None
-        assert few_rows.few_rows_head_matmul(torch.randn(17, 3, 1, 32), w) is None  # more than MAX_ROWS rows
+        too_many = torch.randn(few_rows.MAX_ROWS + 1, 3, 1, 32)
+        assert few_rows.few_rows_head_matmul(too_many, w) is None  # more than MAX_ROWS rows
         assert few_rows.few_rows_head_matmul(x, torch.randn(3, 32, 40)) is None  # columns not whole vectors
         assert few_rows.few_rows_head_matmul(x.double(), w.double()) is None  # the reference dtype
         assert few_rows.few_rows_head_matmul(x, torch.randn(3, 64, 32).transpose(1, 2)) is None  # not contiguous

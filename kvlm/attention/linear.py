@@ -24,7 +24,8 @@ autograd:
     faster than oneDNN's layout at 12-16 rows (benchmarks/decode-limit.md).
   ``generate`` packs from batch 2 where the kernel is built (from 4 where it is missing) in whichever of the
   layouts measured fastest on this machine, or not at all where the unpacked product did (``fastest_packing``).
-- Up to ``MAX_ROWS`` (16) rows that no packed copy serves, the few-row kernel again.
+- Up to ``MAX_ROWS`` rows that no packed copy serves (16; 32 where the kernel is its AVX2 micro-kernel), the
+  few-row kernel again.
 - Unpacked, 4-16 rows run as W x^T, which MKL streams faster than x W^T (the 32000 x 768 LM head at batch 8:
   12.4 ms against 25.6 ms on Intel); others F.linear.
 
@@ -283,7 +284,7 @@ class Linear(Watched, nn.Linear):
 
 
 def _unpacked_product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, count: bool = True) -> torch.Tensor:
-    """x W^T + b as ``Linear`` computes it without a packed copy: the few-row kernel up to ``MAX_ROWS`` rows (9-16
+    """x W^T + b as ``Linear`` computes it without a packed copy: the few-row kernel up to ``MAX_ROWS`` rows (from 9
     rows: those no packed copy serves), else on CPU W x^T at ``min_rows``-``small_rows`` rows, else F.linear."""
     rows = x.numel() // x.shape[-1] if x.numel() else 0
     y = few_rows_linear(x, [w], [bias], count=count, first=False)

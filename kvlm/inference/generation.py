@@ -194,7 +194,7 @@ def packs_for(model, batch: int) -> int | str | None:
     ``PANEL_MIN_ROWS`` (2) rows where the few-row kernel (kvlm.kernels.few_rows) is (at 1 row its panels were a
     near tie with the plain weight), from 4 where it is missing
     (below 4 rows F.linear streams the weights as fast, benchmarks/decode_limit.py "GEMMs alone"); the fastest of
-    the unpacked product (the kernel up to 16 rows, torch's beyond), the kernel's panels (up to 16 rows), MKL's
+    the unpacked product (the kernel up to ``MAX_ROWS`` rows, torch's beyond), the kernel's panels (as far), MKL's
     layout for ``batch`` rows and oneDNN's for any (up to 8 rows the panels alone, where the kernel is ahead of the
     libraries; ``fastest_packing``, on the LM head: once per process and row count)."""
     if not _packable(model):

@@ -63,7 +63,7 @@ class BlockCall:
 
     kind = ""  # "gqa" or "mla": the extension's {kind}_block and BlockStack.add_{kind}
     # up to MAX_ROWS rows, not only FEW_ROWS: set by the block (``kvlm.model.Block.one_call_plan``) where none of
-    # its weights is packed in a library's layout, which its modules would run at 9-16 rows instead
+    # its weights is packed in a library's layout, which its modules would run from 9 rows instead
     # (``kvlm.attention.linear.library_packed``); there the modules run the few-row kernel too, on the panels
     # or the plain weights, as the block does
     wide = False

@@ -13,6 +13,7 @@ failed (no compiler, no headers): the failure is logged once and callers take th
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -65,6 +66,25 @@ def _cpu_tag() -> str:
     except OSError:
         pass
     return hashlib.sha1(text.encode()).hexdigest()[:10]
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """This CPU's instruction-set flags (Linux /proc/cpuinfo; empty where it cannot be read)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def avx2_only() -> bool:
+    """Whether the kernels build their AVX2 micro-kernels here: AVX2 and FMA without AVX-512 (csrc/decode_vec.h's
+    ``KVLM_AVX2``; Zen 2 / 3, Intel's client CPUs)."""
+    flags = cpu_flags()
+    return {"avx2", "fma"} <= flags and "avx512f" not in flags
 
 
 def l1d_bytes() -> int | None:

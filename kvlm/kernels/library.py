@@ -74,7 +74,7 @@ def _packed_linear(
 ) -> torch.Tensor:
     """[x W_1^T + b_1, ..., x W_n^T + b_n] (concatenated on the last axis) as the eager step computes it: by the
     few-row kernel up to 8 rows, else through the packed copy registered for these weights, else by the kernel
-    up to 16 rows, else through F.linear (the same values to float32 rounding); a copy in the few-row kernel's
+    up to ``MAX_ROWS`` rows, else through F.linear (the same values to float32 rounding); a copy in the few-row kernel's
     panels goes first, as in the eager step. Its FLOPs are counted by the formula registered for it."""
     ref = _PACKED.get(tuple(w.data_ptr() for w in weights))
     owner = ref() if ref is not None else None
@@ -85,7 +85,7 @@ def _packed_linear(
     if y is not None:
         return y
     y = owner.packed_outputs(weights, x, count=False) if owner is not None and not first else None
-    if y is None:  # 9-16 rows that no packed copy serves
+    if y is None:  # 9 to MAX_ROWS rows that no packed copy serves
         y = few_rows_linear(x, weights, biases, count=False, first=False)
     if y is None:
         ys = [F.linear(x, w, b) for w, b in zip(weights, biases)]

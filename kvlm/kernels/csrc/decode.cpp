@@ -305,6 +305,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "flash-decoding attention over a block-table cache (CPU)");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last axis in one pass (CPU)");
   m.def("steal_for_threads", &steal_for_threads, "which thread ran each item of steal_for (tests)");
+  m.attr("avx2") = pybind11::bool_(KVLM_AVX2);  // the AVX2 micro-kernels (kvlm.kernels.cpu.avx2_only's guess)
 #if KVLM_AVX512
   m.def("panel_linear", &kvlm_decode::few_rows::panel_linear, "x W^T + b on W's panels (AVX-512 CPU)");
 #endif
