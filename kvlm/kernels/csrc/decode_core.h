@@ -205,14 +205,16 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
   constexpr bool rows4 = kMaxRowBlock >= 4 || (KVLM_AVX2_ROWS4 && !k6);
   const int RB = R >= 4 && rows4 ? 4 : (R >= 2 ? 2 : 1);
   const int64_t Rb = (R + RB - 1) / RB * RB;  // rows rounded to the row block (extra rows are zero queries)
-  std::vector<V> kbuf_v(TILE * Dkp / L + 1), vbuf_v(TILE * Dvp / L + 1), krbuf_v(TILE * Drp / L + 1),
-      zero_v(std::max({Dkp, Dvp, Drp}) / L + 1), s_v(Rb * VT);
-  T* kbuf = reinterpret_cast<T*>(kbuf_v.data());
-  T* vbuf = reinterpret_cast<T*>(vbuf_v.data());
-  T* krbuf = reinterpret_cast<T*>(krbuf_v.data());
+  const bool k_direct = in_place<T>(J.k), v_direct = in_place<T>(J.v), kr_direct = J.Dr && in_place<T>(J.kr);
+  // buffers for rows widened from another dtype only (a vector is zeroed when made: for rows read in place, 16 KiB
+  // a work item for nothing, ~100 items a layer at batch 8), zero keys past the range, a tile's scores
+  std::vector<V> kbuf_v(k_direct ? 0 : TILE * Dkp / L + 1), vbuf_v(v_direct ? 0 : TILE * Dvp / L + 1),
+      krbuf_v(kr_direct ? 0 : TILE * Drp / L + 1), zero_v(std::max({Dkp, Dvp, Drp}) / L + 1), s_v(Rb * VT);
+  T* kbuf = k_direct ? nullptr : reinterpret_cast<T*>(kbuf_v.data());
+  T* vbuf = v_direct ? nullptr : reinterpret_cast<T*>(vbuf_v.data());
+  T* krbuf = kr_direct ? nullptr : reinterpret_cast<T*>(krbuf_v.data());
   const T* zero = reinterpret_cast<const T*>(zero_v.data());
   T* s = reinterpret_cast<T*>(s_v.data());
-  const bool k_direct = in_place<T>(J.k), v_direct = in_place<T>(J.v), kr_direct = J.Dr && in_place<T>(J.kr);
   const T* kp[TILE];
   const T* vp[TILE];
   const T* const* vrows = J.v_is_k ? kp : vp;  // the value rows: a latent's are its keys
@@ -249,16 +251,17 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
     // the tile's rows page by page: a run of rows in one page steps by the pool's row stride (a pointer per row
     // from its page, group and row cost more instructions than MHA's dot products)
     page_runs(tab, J.P, n, page_i, row, [&](int64_t page, int64_t in_page, int run, int jj) {
-      page_rows<T>(J.k, k_direct, page, g, in_page, run, kbuf + jj * Dkp, Dkp, kp + jj);
+      page_rows<T>(J.k, k_direct, page, g, in_page, run, k_direct ? nullptr : kbuf + jj * Dkp, Dkp, kp + jj);
       if (!J.v_is_k) {
-        page_rows<T>(J.v, v_direct, page, g, in_page, run, vbuf + jj * Dvp, Dvp, vp + jj);
+        page_rows<T>(J.v, v_direct, page, g, in_page, run, v_direct ? nullptr : vbuf + jj * Dvp, Dvp, vp + jj);
         // the values (MHA / GQA) into L1 while the tile's scores are computed: the value loop's first touch of each
         // row otherwise waits on L2 / memory (AVX2, kernel_micro: GQA-3 1.02-1.14x, MHA 1.00-1.04x)
 #ifndef KVLM_NO_V_PREFETCH
         if (v_direct) prefetch_rows(vp[jj], run, J.v.s_row, J.v.D);
 #endif
       }
-      if (J.Dr) page_rows<T>(J.kr, kr_direct, page, 0, in_page, run, krbuf + jj * Drp, Drp, krp + jj);
+      if (J.Dr)
+        page_rows<T>(J.kr, kr_direct, page, 0, in_page, run, kr_direct ? nullptr : krbuf + jj * Drp, Drp, krp + jj);
     });
     for (int jj = n; jj < TILE; ++jj) kp[jj] = vp[jj] = krp[jj] = zero;  // past the range: zero keys, masked below
     if (spread) {
