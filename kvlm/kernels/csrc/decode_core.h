@@ -233,18 +233,16 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
 #else
   const bool spread = false;
 #endif
-  std::vector<const char*> lines;
+  LineSpans lines;  // the tile's lines as spans of adjacent lines (decode_pool.h)
   const auto list_lines = [&](int64_t t) {  // the lines of the tile at t (none past j1)
     lines.clear();
     const int64_t nt = std::max<int64_t>(0, std::min<int64_t>(TILE, j1 - t));
-    tile_lines(J.k, tab, J.P, g, t, nt, lines);
-    if (J.Dr) tile_lines(J.kr, tab, J.P, 0, t, nt, lines);
+    lines.add_rows(J.k, tab, J.P, g, t, nt);
+    if (J.Dr) lines.add_rows(J.kr, tab, J.P, 0, t, nt);
   };
-  size_t pl = 0, per_block = 0;
-  const auto issue = [&](size_t count) {
-    for (const size_t e = std::min(lines.size(), pl + count); pl < e; ++pl) __builtin_prefetch(lines[pl], 0, 2);
-  };
-  for (int k = 1; spread && k < kSpreadTiles; ++k) list_lines(j0 + k * TILE), issue(lines.size());
+  int64_t per_block = 0;
+  const auto issue = [&](int64_t count) { lines.issue(count); };
+  for (int k = 1; spread && k < kSpreadTiles; ++k) list_lines(j0 + k * TILE), issue(lines.total);
   int64_t page_i = j0 / J.P, row = j0 % J.P;
   for (int64_t t0 = j0; t0 < j1; t0 += TILE) {
     const int n = static_cast<int>(std::min<int64_t>(TILE, j1 - t0));
@@ -266,9 +264,8 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
     for (int jj = n; jj < TILE; ++jj) kp[jj] = vp[jj] = krp[jj] = zero;  // past the range: zero keys, masked below
     if (spread) {
       list_lines(t0 + kSpreadTiles * TILE);
-      pl = 0;
-      const size_t blocks = (TILE / std::max(1, kWideKeys<T>) + 1) * (Rb / 2);  // the tile's score and value blocks
-      per_block = (lines.size() + blocks - 1) / blocks;
+      const int64_t blocks = (TILE / std::max(1, kWideKeys<T>) + 1) * (Rb / 2);  // the tile's score and value blocks
+      per_block = (lines.total + blocks - 1) / blocks;
     } else {
       // else the next tile's rows into L2 while this one is computed, those in later pages of the block table
       // only: the hardware's sequential prefetcher does not know the table, but it runs ahead within a page, where
