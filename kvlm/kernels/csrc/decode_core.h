@@ -12,6 +12,7 @@
 
 #include "decode_pool.h"
 #include "decode_vec.h"
+#include "scratch.h"
 
 namespace kvlm_decode {
 
@@ -195,9 +196,7 @@ inline void tile_softmax(T* s, int64_t R, int64_t Rb, int64_t t0, int n, const i
 template <typename T, int TILE>
 void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g, int64_t j0, int64_t j1,
                   const int64_t* lo, const int64_t* hi, T* m, T* l, T* acc) {
-  using V = typename Vec<T>::type;
   constexpr int L = Vec<T>::L;
-  constexpr int VT = TILE / L;  // vectors per tile row of scores
   const int64_t R = J.R, Dkp = J.Dkp, Dvp = J.Dvp, Drp = J.Drp;
   // AVX2, narrow rows (GQA / MHA heads of 64): 4 rows in blocks of 4 x 2 scores and 4 rows x 2 value vectors, so that
   // each key and value vector is loaded once for 4 rows (8 accumulators); wide rows take the 2 x 6 blocks below
@@ -206,15 +205,14 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
   const int RB = R >= 4 && rows4 ? 4 : (R >= 2 ? 2 : 1);
   const int64_t Rb = (R + RB - 1) / RB * RB;  // rows rounded to the row block (extra rows are zero queries)
   const bool k_direct = in_place<T>(J.k), v_direct = in_place<T>(J.v), kr_direct = J.Dr && in_place<T>(J.kr);
-  // buffers for rows widened from another dtype only (a vector is zeroed when made: for rows read in place, 16 KiB
-  // a work item for nothing, ~100 items a layer at batch 8), zero keys past the range, a tile's scores
-  std::vector<V> kbuf_v(k_direct ? 0 : TILE * Dkp / L + 1), vbuf_v(v_direct ? 0 : TILE * Dvp / L + 1),
-      krbuf_v(kr_direct ? 0 : TILE * Drp / L + 1), zero_v(std::max({Dkp, Dvp, Drp}) / L + 1), s_v(Rb * VT);
-  T* kbuf = k_direct ? nullptr : reinterpret_cast<T*>(kbuf_v.data());
-  T* vbuf = v_direct ? nullptr : reinterpret_cast<T*>(vbuf_v.data());
-  T* krbuf = kr_direct ? nullptr : reinterpret_cast<T*>(krbuf_v.data());
-  const T* zero = reinterpret_cast<const T*>(zero_v.data());
-  T* s = reinterpret_cast<T*>(s_v.data());
+  // in this thread's scratch (scratch.h: ~100 work items a layer at batch 8, each allocating and zeroing its own
+  // buffers cost more than the attention at a few cached keys): a tile's scores, zero keys past the range, and
+  // buffers for rows widened from another dtype (none for rows read in place)
+  T* s = scratch_array<T>(0, Rb * TILE);
+  const T* zero = scratch_array<T>(1, std::max({Dkp, Dvp, Drp}) + L);
+  T* kbuf = k_direct ? nullptr : scratch_array<T>(2, TILE * Dkp + L);
+  T* vbuf = v_direct ? nullptr : scratch_array<T>(3, TILE * Dvp + L);
+  T* krbuf = kr_direct ? nullptr : scratch_array<T>(4, TILE * Drp + L);
   const T* kp[TILE];
   const T* vp[TILE];
   const T* const* vrows = J.v_is_k ? kp : vp;  // the value rows: a latent's are its keys

@@ -10,21 +10,19 @@
 template <typename T, int TILE>
 void attend_pipe_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g, int64_t j0, int64_t j1,
                    const int64_t* lo, const int64_t* hi, T* m, T* l, T* acc) {
-  using V = typename Vec<T>::type;
   constexpr int L = Vec<T>::L;
-  constexpr int VT = TILE / L;  // vectors per tile row of scores
   const int64_t R = J.R, Dkp = J.Dkp, Dvp = J.Dvp, Drp = J.Drp;
   constexpr int RB4 = kMaxRowBlock >= 4 || KVLM_AVX2_ROWS4 ? 4 : 2;
   const int RB = R >= 4 ? RB4 : 2;              // R >= 2 here
   const int64_t Rb = (R + RB - 1) / RB * RB;  // rows rounded to the row block (extra rows are zero queries)
   const bool k_direct = in_place<T>(J.k), v_direct = in_place<T>(J.v), kr_direct = J.Dr && in_place<T>(J.kr);
-  // buffers for rows widened from another dtype (none for rows read in place; the values' two tiles), zero keys
-  // past the range, two tiles' scores
-  std::vector<V> kbuf_v(k_direct ? 0 : TILE * Dkp / L + 1), vbuf_v(v_direct ? 0 : 2 * TILE * Dvp / L + 1),
-      krbuf_v(kr_direct ? 0 : TILE * Drp / L + 1), zero_v(std::max({Dkp, Dvp, Drp}) / L + 1), s_v(2 * Rb * VT);
-  T* kbuf = reinterpret_cast<T*>(kbuf_v.data());
-  T* krbuf = reinterpret_cast<T*>(krbuf_v.data());
-  const T* zero = reinterpret_cast<const T*>(zero_v.data());
+  // in this thread's scratch (as attend_range_t's): two tiles' scores, zero keys past the range, buffers for rows
+  // widened from another dtype (none for rows read in place; the values' two tiles)
+  T* s2 = scratch_array<T>(0, 2 * Rb * TILE);
+  const T* zero = scratch_array<T>(1, std::max({Dkp, Dvp, Drp}) + L);
+  T* kbuf = k_direct ? nullptr : scratch_array<T>(2, TILE * Dkp + L);
+  T* vbuf2 = v_direct ? nullptr : scratch_array<T>(3, 2 * TILE * Dvp + L);
+  T* krbuf = kr_direct ? nullptr : scratch_array<T>(4, TILE * Drp + L);
   const T* kp[TILE];
   const T* vp2[2][TILE];  // two tiles' value rows: the last tile's are read during this one
   const T* krp[TILE];
@@ -70,10 +68,10 @@ void attend_pipe_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g, 
     const int n = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(TILE, j1 - t0)));
     if (n == 0 && n_prev == 0) break;
     const int cur = static_cast<int>(it & 1);
-    T* s = reinterpret_cast<T*>(s_v.data()) + cur * Rb * TILE;
-    const T* s_prev = reinterpret_cast<T*>(s_v.data()) + (1 - cur) * Rb * TILE;
+    T* s = s2 + cur * Rb * TILE;
+    const T* s_prev = s2 + (1 - cur) * Rb * TILE;
     const T** vp = vp2[cur];
-    T* vbuf = v_direct ? nullptr : reinterpret_cast<T*>(vbuf_v.data()) + cur * TILE * Dvp;
+    T* vbuf = v_direct ? nullptr : vbuf2 + cur * TILE * Dvp;
     page_runs(tab, J.P, n, page_i, row, [&](int64_t page, int64_t in_page, int run, int jj) {  // the tile's rows
       page_rows<T>(J.k, k_direct, page, g, in_page, run, k_direct ? nullptr : kbuf + jj * Dkp, Dkp, kp + jj);
       page_rows<T>(J.v, v_direct, page, g, in_page, run, v_direct ? nullptr : vbuf + jj * Dvp, Dvp, vp + jj);
