@@ -1,10 +1,10 @@
 """Decode steps past 16 rows on the few-row kernel or on oneDNN's copy (issue 15; benchmarks/decode-limit.md,
-"AVX2: the kernel to 32 rows"): the bench reference shape, the two arms alternating round by round in one process,
+"AVX2: the kernel to 64 rows"): the bench reference shape, the two arms alternating round by round in one process,
 each round the median of ``--steps`` steps; prints the medians and old / new, the median of the rounds' ratios.
 
 - old: ``MAX_ROWS`` 16 (as before 2026-11-30 on every CPU), the weights in oneDNN's layout for any rows (``ANY_ROWS``:
   what ``generate``'s measurement and the serving engine chose past 16 rows);
-- new: ``MAX_ROWS`` ``--max-rows`` (the package's: 32 on AVX2), the weights packed ``PAST_KERNEL`` (the serving
+- new: ``MAX_ROWS`` ``--max-rows`` (the package's: 64 on AVX2), the weights packed ``PAST_KERNEL`` (the serving
   engine where the kernel leads) or, with ``--unpacked``, not at all (``generate`` at 17-32 rows on AVX2).
 
     OMP_NUM_THREADS=2 python benchmarks/max_rows_ab.py --batch 24 32                          # serve-shaped steps

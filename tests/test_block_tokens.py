@@ -40,7 +40,7 @@ def _mode(model):
 def _chunks(model, tokens, widths, pad=None):
     """Logits of consecutive calls of ``widths`` new tokens each on one contiguous cache (B, sum, vocab) and the
     stack calls each made."""
-    cache = model.new_cache(tokens.shape[0], 32)
+    cache = model.new_cache(tokens.shape[0], max(32, tokens.shape[1]))
     if pad is not None:
         cache.set_left_padding(pad)
     out, stacks, i = [], [], 0
@@ -71,8 +71,8 @@ def test_calls_of_a_few_tokens_equal_the_modules_and_the_full_forward(monkeypatc
 
 
 def test_more_rows_than_the_kernels_take_run_module_by_module():
-    model = _model("gqa", dict(n_kv_head=2))
     wide = few_rows.MAX_ROWS // 3 + 1  # 3 sequences x wide tokens: past MAX_ROWS rows
+    model = _model("gqa", dict(n_kv_head=2, max_seq_len=max(32, 2 * wide + 3)))
     tokens = torch.randint(0, 101, (3, 2 * wide + 3), generator=torch.Generator().manual_seed(2))
     got, stacks = _chunks(model, tokens, (wide, wide, 2, 1))  # 3 wide, 3 wide, 6 and 3 rows
     assert stacks == [0, 0, 1, 1]

@@ -55,7 +55,7 @@ def _reference(x, weights, biases):
 def test_the_kernel_computes_the_products(rows, k):
     """Every row count up to MAX_ROWS (row blocks of 8, 4, 2, 1; on AVX2 from 4 rows blocks of 4 rows x 3 weight
     rows, from 8 rows their loop in assembly with each pass's share of the prefetch: 2 + 1, 1 + 1 + 1, and from 16
-    rows (4 passes and more, to 32 on AVX2) some passes none; and the rest), feature counts off and
+    rows (4 passes and more, to 64 on AVX2) some passes none; and the rest), feature counts off and
     on the vector width and its double, weights of any number of rows (not whole work units, nor groups of 3), with
     and without biases, concatenated in one output."""
     torch.manual_seed(rows * 1000 + k)
@@ -116,19 +116,19 @@ def _off(monkeypatch):
 
 
 def test_its_rows_follow_the_micro_kernel_built():
-    """MAX_ROWS is 32 where the kernel built its AVX2 micro-kernel (ahead of oneDNN's layout there to 32 rows: 1.35x
-    at 32, 1.18x at 48 on the Zen 3 EPYC), 16 on AVX-512 (oneDNN ahead from 12-16 rows); the guess from the CPU's
+    """MAX_ROWS is 64 where the kernel built its AVX2 micro-kernel (ahead of oneDNN's layout there to 64 rows: 1.35x
+    at 32, 1.12-1.23x at 64 on the Zen 3 EPYC), 16 on AVX-512 (oneDNN ahead from 12-16 rows); the guess from the CPU's
     flags made at import (kvlm.kernels.cpu.avx2_only) agrees with what the compiler built."""
     from kvlm.kernels import cpu
 
     built_avx2 = bool(cpu.extension().avx2)
     assert cpu.avx2_only() == built_avx2
-    assert few_rows.MAX_ROWS == (32 if built_avx2 else 16)
+    assert few_rows.MAX_ROWS == (64 if built_avx2 else 16)
 
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_takes_it_up_to_max_rows_and_a_packed_copy_from_9(bias):
-    """Up to 8 rows the kernel takes the product before any packed copy; 9 to MAX_ROWS rows (16; 32 on AVX2) it
+    """Up to 8 rows the kernel takes the product before any packed copy; 9 to MAX_ROWS rows (16; 64 on AVX2) it
     takes those that no packed copy serves; beyond, the library."""
     torch.manual_seed(0)
     lin = Linear(48, 40, bias=bias).eval()

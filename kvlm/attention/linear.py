@@ -24,7 +24,7 @@ autograd:
     faster than oneDNN's layout at 12-16 rows (benchmarks/decode-limit.md).
   ``generate`` packs from batch 2 where the kernel is built (from 4 where it is missing) in whichever of the
   layouts measured fastest on this machine, or not at all where the unpacked product did (``fastest_packing``).
-- Up to ``MAX_ROWS`` rows that no packed copy serves (16; 32 where the kernel is its AVX2 micro-kernel), the
+- Up to ``MAX_ROWS`` rows that no packed copy serves (16; 64 where the kernel is its AVX2 micro-kernel), the
   few-row kernel again.
 - Unpacked, 4-16 rows run as W x^T, which MKL streams faster than x W^T (the 32000 x 768 LM head at batch 8:
   12.4 ms against 25.6 ms on Intel); others F.linear.

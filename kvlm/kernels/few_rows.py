@@ -22,7 +22,7 @@ Xeon, and oneDNN's blocked layout in 10.1 on the AMD EPYC. There it runs where n
 (``kvlm.attention.linear.fastest_packing``). On AVX2 (the kernel's 4 x 3 micro-kernel, few_rows_avx2.h) it stays
 ahead further: on the Zen 3 EPYC, the reference shape's weights at 24 / 32 / 48 / 64 rows in 24.6 / 33.5 / 49.4 /
 71.8 ms against oneDNN's layout 33.2 / 45.4 / 58.2 / 80.7 and F.linear 59.6 / 72.3 / 96.4 / 127.4, so there
-``MAX_ROWS`` is 32 (decode steps of 24-32 rows 1.39-1.56x faster than on oneDNN's copy, benchmarks/decode-limit.md).
+``MAX_ROWS`` is 64 (decode steps of 24-64 rows 1.22-1.56x faster than on oneDNN's copy, benchmarks/decode-limit.md).
 
 ``pack_panels`` makes the decode-time copy in panels (``Linear.pack_for_decode(PANELS)``, csrc/few_rows_panels.h):
 32 weight rows column by column, read as one sequential stream by an outer product. On the AMD EPYC, the reference
@@ -40,10 +40,11 @@ from kvlm.kernels.cpu import avx2_only, extension, has
 from kvlm.kernels.shared import LINEAR_CALLS, PLAIN_TENSORS, count_flops
 
 FEW_ROWS = 8  # rows up to which the kernel takes the product first (faster than every library path measured)
-# rows up to which it takes the products that no packed copy serves: 32 where it is the AVX2 micro-kernel, whose lead
-# over the libraries shrank from 1.35x at 32 rows to 1.18x at 48 there; 16 on AVX-512, where oneDNN's layout was
-# ahead from 12-16 rows
-MAX_ROWS = 32 if avx2_only() else 16
+# rows up to which it takes the products that no packed copy serves: 64 where it is the AVX2 micro-kernel (its lead
+# over oneDNN's layout 1.35x at 32 rows, 1.12-1.23x at 64 on the Zen 3 EPYC; the decode step there at 64 rows
+# 1.22-1.33x, and 64 is the serving engine's default batch); 16 on AVX-512, where oneDNN's layout was ahead from
+# 12-16 rows
+MAX_ROWS = 64 if avx2_only() else 16
 
 
 def few_rows_fit(x: torch.Tensor, first: bool = True) -> bool:
