@@ -12,8 +12,9 @@ each round the median of ``--steps`` steps; prints the medians and old / new, th
     OMP_NUM_THREADS=2 python benchmarks/max_rows_ab.py --clients 24 --variants gqa:n_kv_head=3     # the engine
 
 With ``--clients N`` the serving engine in-process instead (``kvlm.bench.serve_inprocess.engine_load``: N clients,
-prompts of 64 tokens, 48 generated, 2 rounds, 1 GiB cache), which packs ``PAST_KERNEL`` in both arms (it measured
-the kernel ahead here at 16 and 32 rows): tokens/s and the inter-token latency's median, ``--rounds`` runs an arm.
+prompts of ``--prompt-len`` tokens (64), ``--output-len`` generated (48), 2 rounds, 1 GiB cache), which packs
+``PAST_KERNEL`` in both arms where the kernel leads at MAX_ROWS rows (``kernel_leads``): tokens/s and the
+inter-token latency's median, ``--rounds`` runs an arm.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ def clients(spec: str, n: int, args) -> str:
     for r in range(args.rounds):
         for most in (16, args.max_rows) if r % 2 == 0 else (args.max_rows, 16):
             few_rows.MAX_ROWS = linear.MAX_ROWS = most  # the engine's race (kernel_leads) runs at these rows
-            runs[most].append(engine_load(model, n, prompt_len=64, output_len=48, rounds=2, cache_bytes=1 << 30))
+            runs[most].append(engine_load(model, n, prompt_len=args.prompt_len, output_len=args.output_len, rounds=2,
+                                          cache_bytes=1 << 30))
 
     def cell(most: int, key: str) -> str:
         return " / ".join(f"{run[key]:.0f}" for run in runs[most])
@@ -92,6 +94,8 @@ def main() -> None:
     ap.add_argument("--max-rows", type=int, default=few_rows.MAX_ROWS, help="the new arm's MAX_ROWS")
     ap.add_argument("--unpacked", action="store_true", help="the new arm without a packed copy (generate's)")
     ap.add_argument("--clients", type=int, help="the serving engine with this many clients instead of steps")
+    ap.add_argument("--prompt-len", type=int, default=64, help="with --clients: prompt tokens a request")
+    ap.add_argument("--output-len", type=int, default=48, help="with --clients: tokens generated a request")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=5)
     args = ap.parse_args()
