@@ -70,6 +70,21 @@ def test_calls_of_a_few_tokens_equal_the_modules_and_the_full_forward(monkeypatc
     torch.testing.assert_close(got, modules, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("attention,extra", VARIANTS)
+def test_calls_of_up_to_max_rows_run_as_one_stack(attention, extra):
+    """Past FEW_ROWS, to MAX_ROWS rows (16; 64 on AVX2), the blocks run in one stack where no library layout holds
+    their weights: a prompt of MAX_ROWS // 2 tokens at batch 2 (T new tokens a sequence, causal among themselves),
+    then calls of 5 tokens and 1, equal to the full forward."""
+    half = few_rows.MAX_ROWS // 2
+    model = _model(attention, dict(extra, max_seq_len=half + 16))
+    widths = (half, 5, 1)
+    tokens = torch.randint(0, 101, (2, sum(widths)), generator=torch.Generator().manual_seed(4))
+    got, stacks = _chunks(model, tokens, widths)
+    assert stacks == [1, 1, 1]
+    with torch.inference_mode():
+        torch.testing.assert_close(got, model(tokens), rtol=2e-5, atol=2e-5)
+
+
 def test_more_rows_than_the_kernels_take_run_module_by_module():
     wide = few_rows.MAX_ROWS // 3 + 1  # 3 sequences x wide tokens: past MAX_ROWS rows
     model = _model("gqa", dict(n_kv_head=2, max_seq_len=max(32, 2 * wide + 3)))
