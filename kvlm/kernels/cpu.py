@@ -54,29 +54,32 @@ def enabled() -> bool:
     return on
 
 
-def _cpu_tag() -> str:
-    """A short hash of this CPU's model and instruction-set flags (what -march=native compiles for)."""
-    text = platform.machine()
+@functools.cache
+def _cpuinfo() -> tuple[str, ...]:
+    """The first CPU's "model name" and "flags" lines of /proc/cpuinfo (Linux; none where it cannot be read)."""
+    lines = []
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("model name", "flags")):
-                text += line
+                lines.append(line)
                 if line.startswith("flags"):
                     break
     except OSError:
         pass
+    return tuple(lines)
+
+
+def _cpu_tag() -> str:
+    """A short hash of this CPU's model and instruction-set flags (what -march=native compiles for)."""
+    text = platform.machine() + "".join(_cpuinfo())
     return hashlib.sha1(text.encode()).hexdigest()[:10]
 
 
-@functools.cache
 def cpu_flags() -> frozenset[str]:
     """This CPU's instruction-set flags (Linux /proc/cpuinfo; empty where it cannot be read)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.partition(":")[2].split())
-    except OSError:
-        pass
+    for line in _cpuinfo():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
     return frozenset()
 
 

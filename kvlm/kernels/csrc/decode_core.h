@@ -239,8 +239,7 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
     if (J.Dr) lines.add_rows(J.kr, tab, J.P, 0, t, nt);
   };
   int64_t per_block = 0;
-  const auto issue = [&](int64_t count) { lines.issue(count); };
-  for (int k = 1; spread && k < kSpreadTiles; ++k) list_lines(j0 + k * TILE), issue(lines.total);
+  for (int k = 1; spread && k < kSpreadTiles; ++k) list_lines(j0 + k * TILE), lines.issue(lines.total);
   int64_t page_i = j0 / J.P, row = j0 % J.P;
   for (int64_t t0 = j0; t0 < j1; t0 += TILE) {
     const int n = static_cast<int>(std::min<int64_t>(TILE, j1 - t0));
@@ -289,7 +288,7 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
         for (int64_t r0 = 0; r0 < Rb; r0 += 2) {
           const T* qx[2] = {q + r0 * Dkp, q + (r0 + 1) * Dkp};
           const T* qrx[2] = {qr + r0 * Drp, qr + (r0 + 1) * Drp};
-          if (spread) issue(per_block);
+          if (spread) lines.issue(per_block);
           score_block<T, 2, KW>(qx, qrx, kp + y0, krp + y0, Dkp, Drp, scale, s + r0 * TILE + y0, TILE);
         }
     } else {
@@ -319,7 +318,7 @@ void attend_range_t(const Job& J, const T* q, const T* qr, int64_t b, int64_t g,
       if (RB == 4)
         value_block<T, 4, KVLM_AVX2_ROWS4 ? 2 : 4>(pb, TILE, vrows, n, Dvp, ab, Dvp);
       else if (RB == 2) {
-        if (spread) issue(per_block);
+        if (spread) lines.issue(per_block);
         value_block<T, 2>(pb, TILE, vrows, n, Dvp, ab, Dvp);
       } else
         value_block<T, 1, 8>(pb, TILE, vrows, n, Dvp, ab, Dvp);  // 8 FMA chains
